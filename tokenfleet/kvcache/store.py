@@ -1,0 +1,57 @@
+"""Torch storage of the paged KV cache: one K and one V tensor per layer, indexed by block id.
+
+Layout ``[num_blocks, kv_heads, block_size, head_dim]``: a gathered sequence comes out with
+heads outside tokens, the shape attention kernels want, without a transpose copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PagedKVStore:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+        """K and V of every layer for one block of tokens."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * block_size * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store per-token ``key``/``value`` ``[N, kv_heads, head_dim]`` at (block, offset) pairs."""
+        self.k[layer][blocks, :, offsets] = key
+        self.v[layer][blocks, :, offsets] = value
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of each sequence in ``block_tables`` ``[B, max_blocks]`` as ``[B, kv_heads, max_blocks *
+        block_size, head_dim]`` (slots past a sequence's length hold stale data: mask them)."""
+        batch, nblocks = block_tables.shape
+        flat = block_tables.reshape(-1)
+
+        def take(store: torch.Tensor) -> torch.Tensor:
+            blocks = store.index_select(0, flat).view(batch, nblocks, self.num_kv_heads, self.block_size, self.head_dim)
+            return blocks.transpose(1, 2).reshape(batch, self.num_kv_heads, nblocks * self.block_size, self.head_dim)
+
+        return take(self.k[layer]), take(self.v[layer])

@@ -1,0 +1,394 @@
+"""The wire protocol: key names, the request schema, reply events, encode/decode, validation.
+
+No I/O here. ``docs/PROTOCOL.md`` is the human-readable contract; keep the two in step.
+
+Requests are stream entries whose body is either one field ``m`` holding a msgpack map, or plain
+string fields (``redis-cli XADD key * v 1 id abc prompt hello``). Reply events are stream entries
+with a plain ``type`` field and an ``m`` field holding a msgpack map. Nothing read from Redis is
+unpickled or evaluated: msgpack and JSON decode data, never code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgpack
+
+from tokenfleet.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+"""The only request version this release reads. A bump means an incompatible change."""
+
+GROUP = "workers"
+"""Consumer group every worker joins on every request stream."""
+
+AUTO_BUCKET = "auto"
+"""Pseudo-bucket of the ingress stream for producers that cannot tokenize."""
+
+BODY_FIELD = b"m"
+"""Stream field that holds a msgpack body (requests and reply events)."""
+
+# Size limits on what a request may carry; the worker's own caps (max_seq_len, max_new_tokens) apply on top.
+MAX_ID_LEN = 128
+MAX_PROMPT_BYTES = 1 << 20
+MAX_INPUT_IDS = 1 << 17
+MAX_NEW_TOKENS_CAP = 1 << 16
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_REPLY_TTL_S = 7 * 24 * 3600
+DEFAULT_REPLY_TTL_S = 24 * 3600
+DEFAULT_MAX_NEW_TOKENS = 64
+MAX_BODY_BYTES = 4 << 20
+
+_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,%d}$" % MAX_ID_LEN)
+
+
+class ErrorCode:
+    """Stable machine-readable codes carried by ``error`` events. Never rename one."""
+
+    INVALID_REQUEST = "invalid_request"  # a field has the wrong type or is out of range
+    PROMPT_TOO_LONG = "prompt_too_long"  # longer than the largest bucket served
+    MAX_SEQ_LEN_EXCEEDED = "max_seq_len_exceeded"  # prompt + max_new_tokens > max_seq_len
+    UNSUPPORTED_VERSION = "unsupported_version"  # protocol version this worker does not speak
+    UNDECODABLE = "undecodable"  # the body is not msgpack / not a map / not UTF-8
+    CACHE_TOO_SMALL = "cache_too_small"  # the request could never fit in the worker's KV cache
+    DEADLINE_EXCEEDED = "deadline_exceeded"  # the request's deadline passed
+    TOO_MANY_ATTEMPTS = "too_many_attempts"  # delivered too often without finishing
+    INTERNAL = "internal_error"  # a bug or device failure while running the request
+
+
+class FinishReason:
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens reached
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Every Redis key tokenfleet uses, derived from one prefix."""
+
+    prefix: str = "tokenfleet"
+
+    def request_stream(self, bucket: int | str) -> str:
+        """Stream of requests for prompts of at most ``bucket`` tokens (or ``auto``)."""
+        return f"{self.prefix}:req:{bucket}"
+
+    @property
+    def auto_stream(self) -> str:
+        """Ingress stream for untokenized prompts; a worker moves each entry to its bucket."""
+        return self.request_stream(AUTO_BUCKET)
+
+    def reply_stream(self, request_id: str) -> str:
+        """Per-request stream of ``token`` events and one terminal ``done``/``error`` event."""
+        return f"{self.prefix}:reply:{request_id}"
+
+    @property
+    def dead_letter(self) -> str:
+        """Stream of entries that could not be decoded or failed too many times, with the reason."""
+        return f"{self.prefix}:dead"
+
+    @property
+    def buckets(self) -> str:
+        """Set of bucket sizes that live workers serve; producers route by it."""
+        return f"{self.prefix}:buckets"
+
+    @property
+    def workers(self) -> str:
+        """Hash of worker name -> msgpack heartbeat (buckets, device, last seen)."""
+        return f"{self.prefix}:workers"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request as it travels on a request stream."""
+
+    id: str
+    prompt: str | None = None
+    input_ids: tuple[int, ...] | None = None
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    deadline_ms: int | None = None
+    reply_ttl_s: int = DEFAULT_REPLY_TTL_S
+    v: int = PROTOCOL_VERSION
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack-ready map of this request, without defaults' noise."""
+        body = {k: v for k, v in asdict(self).items() if k != "extra" and v is not None}
+        for k in ("input_ids", "stop", "stop_token_ids"):
+            if k in body:
+                body[k] = list(body[k])
+        if not body["stop"]:
+            del body["stop"]
+        if not body["stop_token_ids"]:
+            del body["stop_token_ids"]
+        return body
+
+
+# -- validation -------------------------------------------------------------------------------------
+
+_INT_FIELDS = {
+    "v": (0, 1 << 31),
+    "max_new_tokens": (1, MAX_NEW_TOKENS_CAP),
+    "top_k": (0, 1 << 31),
+    "seed": (0, (1 << 63) - 1),
+    "deadline_ms": (0, 1 << 53),
+    "reply_ttl_s": (1, MAX_REPLY_TTL_S),
+}
+_FLOAT_FIELDS = {"temperature": (0.0, 100.0), "top_p": (0.0, 1.0)}
+_KNOWN = set(_INT_FIELDS) | set(_FLOAT_FIELDS) | {
+    "id", "prompt", "input_ids", "stop", "stop_token_ids", "ignore_eos",
+}
+
+
+def _bad(rid: str | None, message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.INVALID_REQUEST, message, request_id=rid)
+
+
+def _as_int(rid: str | None, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(rid, f"{name} must be an integer, got {type(value).__name__}")
+    lo, hi = _INT_FIELDS[name]
+    if not lo <= value <= hi:
+        raise _bad(rid, f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _as_float(rid: str | None, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(rid, f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    lo, hi = _FLOAT_FIELDS[name]
+    if not (math.isfinite(value) and lo <= value <= hi):
+        raise _bad(rid, f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _as_int_list(rid: str | None, name: str, value: Any, max_len: int) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise _bad(rid, f"{name} must be a list of integers")
+    if len(value) > max_len:
+        raise _bad(rid, f"{name} holds {len(value)} items; at most {max_len} allowed")
+    for x in value:
+        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < (1 << 31):
+            raise _bad(rid, f"{name} must hold integers in [0, 2^31)")
+    return tuple(value)
+
+
+def _request_id(body: dict[str, Any]) -> str | None:
+    """The request id if it is usable as a reply key, else None."""
+    rid = body.get("id")
+    if isinstance(rid, str) and _ID_RE.match(rid):
+        return rid
+    return None
+
+
+def validate_request(body: dict[str, Any]) -> Request:
+    """Check every field of a decoded request map and build a :class:`Request`.
+
+    Raises :class:`ProtocolError`: ``dead_letter`` is set when no reply can be sent (no valid id)
+    or the version is unknown; otherwise the error belongs in an ``error`` reply.
+    Unknown fields are kept in ``extra`` and otherwise ignored, so that minor additions to the
+    protocol do not break older workers.
+    """
+    rid = _request_id(body)
+    if rid is None:
+        raise ProtocolError(
+            ErrorCode.INVALID_REQUEST,
+            f"id must be a string of 1-{MAX_ID_LEN} characters from [A-Za-z0-9._:-]",
+            dead_letter=True,
+        )
+    version = body.get("v", PROTOCOL_VERSION)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"protocol version {version!r} is not supported (this worker speaks {PROTOCOL_VERSION})",
+            request_id=rid,
+            dead_letter=True,
+        )
+    kw: dict[str, Any] = {"id": rid}
+    prompt, input_ids = body.get("prompt"), body.get("input_ids")
+    if (prompt is None) == (input_ids is None):
+        raise _bad(rid, "exactly one of prompt and input_ids is required")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise _bad(rid, "prompt must be a string")
+        if len(prompt.encode("utf-8", "surrogatepass")) > MAX_PROMPT_BYTES:
+            raise _bad(rid, f"prompt is larger than {MAX_PROMPT_BYTES} bytes")
+        if not prompt:
+            raise _bad(rid, "prompt is empty")
+        kw["prompt"] = prompt
+    else:
+        ids = _as_int_list(rid, "input_ids", input_ids, MAX_INPUT_IDS)
+        if not ids:
+            raise _bad(rid, "input_ids is empty")
+        kw["input_ids"] = ids
+    for name in _INT_FIELDS:
+        if name in body and body[name] is not None and name != "v":
+            kw[name] = _as_int(rid, name, body[name])
+    for name in _FLOAT_FIELDS:
+        if name in body and body[name] is not None:
+            kw[name] = _as_float(rid, name, body[name])
+    if kw.get("top_p", 1.0) == 0.0:
+        raise _bad(rid, "top_p must be > 0")
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP_STRINGS:
+            raise _bad(rid, f"stop must be a list of at most {MAX_STOP_STRINGS} strings")
+        if not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN for s in stop):
+            raise _bad(rid, f"each stop string must be 1-{MAX_STOP_STRING_LEN} characters")
+        kw["stop"] = tuple(stop)
+    if body.get("stop_token_ids") is not None:
+        kw["stop_token_ids"] = _as_int_list(rid, "stop_token_ids", body["stop_token_ids"], MAX_STOP_TOKEN_IDS)
+    if body.get("ignore_eos") is not None:
+        if not isinstance(body["ignore_eos"], bool):
+            raise _bad(rid, "ignore_eos must be a boolean")
+        kw["ignore_eos"] = body["ignore_eos"]
+    kw["extra"] = {k: v for k, v in body.items() if k not in _KNOWN}
+    return Request(**kw)
+
+
+# -- request codec ----------------------------------------------------------------------------------
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+def unpack(data: bytes) -> Any:
+    """Decode msgpack data from Redis: plain data only, bounded sizes, no extension types."""
+    if len(data) > MAX_BODY_BYTES:
+        raise ValueError(f"body is larger than {MAX_BODY_BYTES} bytes")
+    return msgpack.unpackb(data, raw=False, ext_hook=_reject_ext, strict_map_key=True, timestamp=0)
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _plain_value(name: str, raw: str) -> Any:
+    """Parse one plain-string field of a ``redis-cli XADD`` request by the schema's type."""
+    if name in _INT_FIELDS:
+        try:
+            return int(raw)
+        except ValueError:
+            return raw  # left as a string: validation reports the type
+    if name in _FLOAT_FIELDS:
+        try:
+            return float(raw)
+        except ValueError:
+            return raw
+    if name in ("input_ids", "stop", "stop_token_ids"):
+        try:
+            return json.loads(raw)  # JSON arrays: data only, never evaluated
+        except ValueError:
+            return raw
+    if name == "ignore_eos":
+        return {"true": True, "1": True, "false": False, "0": False}.get(raw.lower(), raw)
+    return raw
+
+
+def decode_request_body(fields: dict[bytes, bytes]) -> dict[str, Any]:
+    """Turn a request stream entry's fields into a plain map (not yet validated).
+
+    Raises :class:`ProtocolError` with ``dead_letter`` set if the body cannot be decoded.
+    """
+    try:
+        if BODY_FIELD in fields:
+            body = unpack(fields[BODY_FIELD])
+            if not isinstance(body, dict):
+                raise ValueError(f"body is a msgpack {type(body).__name__}, not a map")
+            return body
+        plain = {k.decode("utf-8"): v.decode("utf-8") for k, v in fields.items()}
+        return {k: _plain_value(k, v) for k, v in plain.items()}
+    except (ValueError, TypeError, UnicodeDecodeError, msgpack.UnpackException) as e:
+        raise ProtocolError(ErrorCode.UNDECODABLE, f"cannot decode request body: {e}", dead_letter=True) from e
+
+
+def decode_request(fields: dict[bytes, bytes]) -> Request:
+    """Decode and validate a request stream entry (see :func:`validate_request`)."""
+    body = decode_request_body(fields)
+    try:
+        return validate_request(body)
+    except ProtocolError as e:
+        if e.request_id is None and not e.dead_letter:
+            e.request_id = _request_id(body)
+        raise
+
+
+def encode_request(request: Request) -> dict[bytes, bytes]:
+    """Stream fields of a request in the msgpack form."""
+    return {BODY_FIELD: pack(request.to_wire())}
+
+
+def salvage_request_id(fields: dict[bytes, bytes]) -> str | None:
+    """Best-effort request id from an entry that failed to decode, so its caller still hears back."""
+    try:
+        return _request_id(decode_request_body(fields))
+    except ProtocolError:
+        raw = fields.get(b"id")
+        if raw is not None:
+            try:
+                return _request_id({"id": raw.decode("utf-8")})
+            except UnicodeDecodeError:
+                return None
+        return None
+
+
+# -- reply events -----------------------------------------------------------------------------------
+
+class EventType:
+    TOKEN = "token"
+    DONE = "done"
+    ERROR = "error"
+
+
+TERMINAL_EVENTS = (EventType.DONE, EventType.ERROR)
+
+
+def token_event(index: int, token_ids: list[int], text: str) -> dict[str, Any]:
+    """``index`` is the position of the first of ``token_ids`` among the generated tokens."""
+    return {"type": EventType.TOKEN, "index": index, "ids": token_ids, "text": text}
+
+
+def done_event(
+    finish_reason: str, prompt_tokens: int, completion_tokens: int, timings: dict[str, float], batch_size: int
+) -> dict[str, Any]:
+    return {
+        "type": EventType.DONE,
+        "finish_reason": finish_reason,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
+        "timings": timings,
+        "batch_size": batch_size,
+    }
+
+
+def error_event(code: str, message: str) -> dict[str, Any]:
+    return {"type": EventType.ERROR, "code": code, "message": message}
+
+
+def encode_event(event: dict[str, Any]) -> dict[bytes, bytes]:
+    return {b"type": event["type"].encode(), BODY_FIELD: pack(event)}
+
+
+def decode_event(fields: dict[bytes, bytes]) -> dict[str, Any]:
+    event = unpack(fields[BODY_FIELD])
+    if not isinstance(event, dict) or "type" not in event:
+        raise ProtocolError(ErrorCode.UNDECODABLE, "reply event is not a map with a type")
+    return event

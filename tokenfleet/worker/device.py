@@ -1,0 +1,65 @@
+"""Device and dtype selection: ``auto``, ``cpu``, ``cuda[:N]``, ``npu[:N]``.
+
+``torch_npu`` is imported only when an NPU is asked for (or probed by ``auto``), so CPU and CUDA
+installs never need it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    importlib.import_module("torch_npu")
+    return bool(getattr(torch, "npu", None) and torch.npu.is_available())
+
+
+def select_device(name: str = "auto") -> torch.device:
+    """Resolve a device name; raises ``ValueError`` with a one-line reason when it cannot be had."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if _npu_available():
+            return torch.device("npu")
+        return torch.device("cpu")
+    kind = name.split(":", 1)[0]
+    if kind == "npu":
+        if importlib.util.find_spec("torch_npu") is None:
+            raise ValueError("device npu needs torch_npu: pip install 'tokenfleet[npu]' (Ascend CANN required)")
+        importlib.import_module("torch_npu")
+        if not torch.npu.is_available():
+            raise ValueError("torch_npu is installed but no Ascend NPU is visible")
+    elif kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device cuda asked for, but torch sees no CUDA GPU")
+    elif kind != "cpu":
+        raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda[:N] or npu[:N]")
+    return torch.device(name)
+
+
+def cpu_supports_bf16() -> bool:
+    """True when the CPU has native bf16 matmul instructions (AVX512-BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def select_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on accelerators and on CPUs with native bf16, float32 otherwise."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
+        return DTYPES[name]
+    if device.type in ("cuda", "npu"):
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
