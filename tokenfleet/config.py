@@ -108,15 +108,26 @@ class KVCacheConfig:
             raise ValueError(f"memory_bytes must be >= 1, got {self.memory_bytes!r}")
 
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 10**9,
+    "gib": 1 << 30,
+}
 
 
 def parse_size(text: str) -> int:
     """Parse ``"2GiB"``, ``"512MiB"``, ``"1000000"`` into bytes."""
     s = text.strip().lower().replace(" ", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
+    unit = s[len(num) :]
     if unit not in _UNITS or not num:
         raise ValueError(f"cannot parse size {text!r}; use e.g. 512MiB or 2GiB")
     return int(float(num) * _UNITS[unit])

@@ -12,11 +12,21 @@ from pathlib import Path
 
 SIZES = {
     # a few M parameters: fast enough for tests on 2 CPU cores; 2 KV heads exercise GQA
-    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2),
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
     # ~113M parameters: hidden 768, 12 layers, for benchmarks
-    "small": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                  num_key_value_heads=12),
+    "small": dict(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+    ),
 }
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
@@ -46,7 +56,9 @@ def build_byte_tokenizer():
     return tok
 
 
-def init_model(directory: str | Path, size: str = "tiny", seed: int = 0, max_position_embeddings: int = 4096) -> Path:
+def init_model(
+    directory: str | Path, size: str = "tiny", seed: int = 0, max_position_embeddings: int = 4096
+) -> Path:
     """Write a random-weight Llama model and its tokenizer to ``directory``; returns the path."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -74,11 +86,18 @@ def init_model(directory: str | Path, size: str = "tiny", seed: int = 0, max_pos
     )
     model.save_pretrained(out)
     build_byte_tokenizer().save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
-        "model_max_length": max_position_embeddings,
-    }, indent=2))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "pad_token": "<pad>",
+                "model_max_length": max_position_embeddings,
+            },
+            indent=2,
+        )
+    )
     return out
 
 

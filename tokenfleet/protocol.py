@@ -45,7 +45,7 @@ DEFAULT_REPLY_TTL_S = 24 * 3600
 DEFAULT_MAX_NEW_TOKENS = 64
 MAX_BODY_BYTES = 4 << 20
 
-_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,%d}$" % MAX_ID_LEN)
+_ID_RE = re.compile(rf"^[A-Za-z0-9._:\-]{{1,{MAX_ID_LEN}}}$")
 
 
 class ErrorCode:
@@ -151,9 +151,18 @@ _INT_FIELDS = {
     "reply_ttl_s": (1, MAX_REPLY_TTL_S),
 }
 _FLOAT_FIELDS = {"temperature": (0.0, 100.0), "top_p": (0.0, 1.0)}
-_KNOWN = set(_INT_FIELDS) | set(_FLOAT_FIELDS) | {
-    "id", "prompt", "input_ids", "stop", "stop_token_ids", "ignore_eos",
-}
+_KNOWN = (
+    set(_INT_FIELDS)
+    | set(_FLOAT_FIELDS)
+    | {
+        "id",
+        "prompt",
+        "input_ids",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+    }
+)
 
 
 def _bad(rid: str | None, message: str) -> ProtocolError:
@@ -267,6 +276,7 @@ def validate_request(body: dict[str, Any]) -> Request:
 
 # -- request codec ----------------------------------------------------------------------------------
 
+
 def _reject_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack extension type {code} is not allowed")
 
@@ -318,7 +328,9 @@ def decode_request_body(fields: dict[bytes, bytes]) -> dict[str, Any]:
         plain = {k.decode("utf-8"): v.decode("utf-8") for k, v in fields.items()}
         return {k: _plain_value(k, v) for k, v in plain.items()}
     except (ValueError, TypeError, UnicodeDecodeError, msgpack.UnpackException) as e:
-        raise ProtocolError(ErrorCode.UNDECODABLE, f"cannot decode request body: {e}", dead_letter=True) from e
+        raise ProtocolError(
+            ErrorCode.UNDECODABLE, f"cannot decode request body: {e}", dead_letter=True
+        ) from e
 
 
 def decode_request(fields: dict[bytes, bytes]) -> Request:
@@ -352,6 +364,7 @@ def salvage_request_id(fields: dict[bytes, bytes]) -> str | None:
 
 
 # -- reply events -----------------------------------------------------------------------------------
+
 
 class EventType:
     TOKEN = "token"

@@ -154,6 +154,11 @@ class Batcher:
                 due.append(group[0].arrived + self.config.max_wait_s)
         return min(due) if due else None
 
+    def is_due(self) -> bool:
+        """Whether :meth:`next_batch` would return a batch now."""
+        at = self.ready_at()
+        return at is not None and at <= self.clock()
+
     # -- dispatch -------------------------------------------------------------------------------
 
     def next_batch(self, limit: int | None = None) -> Batch | None:
@@ -181,6 +186,11 @@ class Batcher:
             return None
         oldest = min(groups, key=lambda g: g[0].arrived)
         return self._form(oldest, limit)
+
+    def requeue(self, items: list[PendingRequest]) -> None:
+        """Put dispatched items back at the head of their queues (e.g. no KV room yet), in order."""
+        for item in reversed(items):
+            self._queues[item.bucket].appendleft(item)
 
     def _form(self, group: deque[PendingRequest], limit: int | None) -> Batch:
         size = min(len(group), self.config.max_batch_size, limit or self.config.max_batch_size)

@@ -30,7 +30,9 @@ class PagedKVStore:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
 
     @staticmethod
-    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(
+        num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    ) -> int:
         """K and V of every layer for one block of tokens."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * num_kv_heads * head_dim * block_size * itemsize
@@ -39,7 +41,9 @@ class PagedKVStore:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    def write(
+        self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
         """Store per-token ``key``/``value`` ``[N, kv_heads, head_dim]`` at (block, offset) pairs."""
         self.k[layer][blocks, :, offsets] = key
         self.v[layer][blocks, :, offsets] = value
@@ -51,7 +55,11 @@ class PagedKVStore:
         flat = block_tables.reshape(-1)
 
         def take(store: torch.Tensor) -> torch.Tensor:
-            blocks = store.index_select(0, flat).view(batch, nblocks, self.num_kv_heads, self.block_size, self.head_dim)
-            return blocks.transpose(1, 2).reshape(batch, self.num_kv_heads, nblocks * self.block_size, self.head_dim)
+            blocks = store.index_select(0, flat).view(
+                batch, nblocks, self.num_kv_heads, self.block_size, self.head_dim
+            )
+            return blocks.transpose(1, 2).reshape(
+                batch, self.num_kv_heads, nblocks * self.block_size, self.head_dim
+            )
 
         return take(self.k[layer]), take(self.v[layer])

@@ -52,7 +52,9 @@ def paged_attention(
     if tokenfleet_step is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     meta = tokenfleet_step
     layer = module.layer_idx
     batch, kv_heads, steps, head_dim = key.shape

@@ -33,7 +33,9 @@ def select_device(name: str = "auto") -> torch.device:
     kind = name.split(":", 1)[0]
     if kind == "npu":
         if importlib.util.find_spec("torch_npu") is None:
-            raise ValueError("device npu needs torch_npu: pip install 'tokenfleet[npu]' (Ascend CANN required)")
+            raise ValueError(
+                "device npu needs torch_npu: pip install 'tokenfleet[npu]' (Ascend CANN required)"
+            )
         importlib.import_module("torch_npu")
         if not torch.npu.is_available():
             raise ValueError("torch_npu is installed but no Ascend NPU is visible")

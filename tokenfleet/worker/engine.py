@@ -82,14 +82,24 @@ class Engine:
         )
         num_blocks = kv.num_blocks or self._blocks_for_budget(kv.memory_bytes)
         self.store = PagedKVStore(
-            self.num_layers, num_blocks, kv.block_size, self.num_kv_heads, self.head_dim, self.device, self.dtype
+            self.num_layers,
+            num_blocks,
+            kv.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.device,
+            self.dtype,
         )
         self.allocator = BlockAllocator(num_blocks, kv.block_size)
         self.eos_token_ids = self._eos_ids()
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         log.info(
             "engine: %s on %s/%s, KV pool %d blocks x %d tokens (%.1f MiB)",
-            model_dir, self.device, str(self.dtype).removeprefix("torch."), num_blocks, kv.block_size,
+            model_dir,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            num_blocks,
+            kv.block_size,
             self.store.nbytes / 2**20,
         )
 
@@ -100,7 +110,9 @@ class Engine:
             return max(64, memory_bytes // self.bytes_per_block)
         blocks = memory_bytes // self.bytes_per_block
         if blocks < 1:
-            raise ValueError(f"KV cache budget of {memory_bytes} bytes is smaller than one block ({self.bytes_per_block})")
+            raise ValueError(
+                f"KV cache budget of {memory_bytes} bytes is smaller than one block ({self.bytes_per_block})"
+            )
         return blocks
 
     def _eos_ids(self) -> frozenset[int]:
@@ -166,7 +178,6 @@ class Engine:
     def decode(self, seq_ids: Sequence[Hashable], last_tokens: Sequence[int]) -> torch.Tensor:
         """One step for sequences whose newest token is not yet in the cache (its slot already
         appended); returns next-token logits ``[B, vocab]`` (float32)."""
-        batch = len(seq_ids)
         tables = [self.allocator.block_table(s) for s in seq_ids]
         lengths = [self.allocator.num_tokens(s) for s in seq_ids]
         width = max(len(t) for t in tables)
@@ -188,7 +199,9 @@ class Engine:
         hidden = self._forward(input_ids, (length_t - 1)[:, None], meta)
         return self._logits(hidden[:, -1])
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: attention.StepMetadata) -> torch.Tensor:
+    def _forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: attention.StepMetadata
+    ) -> torch.Tensor:
         out = self.model.base_model(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, tokenfleet_step=meta
         )

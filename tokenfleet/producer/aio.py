@@ -1,0 +1,117 @@
+"""asyncio producer client: the same surface as :class:`tokenfleet.producer.Client`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from tokenfleet import protocol
+from tokenfleet.config import prefix_from_env, redis_url_from_env
+from tokenfleet.errors import ResultTimeout
+from tokenfleet.producer.client import BUCKETS_TTL_S, READ_BLOCK_MS
+from tokenfleet.producer.result import Chunk, Result, ResultBuilder
+from tokenfleet.producer.routing import build_request, load_tokenizer, target_stream
+from tokenfleet.protocol import TERMINAL_EVENTS, Keys
+
+
+class AsyncClient:
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        model: str | None = None,
+        prefix: str | None = None,
+        *,
+        buckets: list[int] | None = None,
+        client: aioredis.Redis | None = None,
+    ):
+        self.redis = client or aioredis.Redis.from_url(redis_url_from_env(redis_url))
+        self.keys = Keys(prefix_from_env(prefix))
+        self.tokenizer = load_tokenizer(model)
+        self._fixed_buckets = list(buckets) if buckets else None
+        self._buckets: list[int] = []
+        self._buckets_at = float("-inf")
+
+    async def buckets(self) -> list[int]:
+        if self._fixed_buckets is not None:
+            return self._fixed_buckets
+        if time.monotonic() - self._buckets_at > BUCKETS_TTL_S:
+            self._buckets = sorted(int(b) for b in await self.redis.smembers(self.keys.buckets))
+            self._buckets_at = time.monotonic()
+        return self._buckets
+
+    async def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: list[int] | None = None,
+        request_id: str | None = None,
+        **params: Any,
+    ) -> AsyncHandle:
+        request = build_request(prompt, input_ids, self.tokenizer, request_id, params)
+        protocol.validate_request(request.to_wire())
+        stream = target_stream(self.keys, request, await self.buckets())
+        await self.redis.xadd(stream, protocol.encode_request(request))
+        return AsyncHandle(self, request.id)
+
+    async def events(self, request_id: str, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
+        key = self.keys.reply_stream(request_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last = "0"
+        while True:
+            block = READ_BLOCK_MS
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ResultTimeout(f"no terminal event for request {request_id} within {timeout}s")
+                block = max(1, min(block, int(left * 1000)))
+            resp = await self.redis.xread({key: last}, block=block)
+            for _, items in resp or []:
+                for entry_id, fields in items:
+                    last = entry_id
+                    event = protocol.decode_event(fields)
+                    yield event
+                    if event["type"] in TERMINAL_EVENTS:
+                        return
+
+    async def stream(self, request_id: str, timeout: float | None = None) -> AsyncIterator[Chunk]:
+        builder = ResultBuilder(request_id)
+        async for event in self.events(request_id, timeout):
+            chunk = builder.add(event)
+            if chunk is not None:
+                yield chunk
+
+    async def result(self, request_id: str, timeout: float | None = None) -> Result:
+        builder = ResultBuilder(request_id)
+        async for event in self.events(request_id, timeout):
+            builder.add(event)
+        return builder.result
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncHandle:
+    def __init__(self, client: AsyncClient, request_id: str):
+        self.client = client
+        self.id = request_id
+
+    def stream(self, timeout: float | None = None) -> AsyncIterator[Chunk]:
+        return self.client.stream(self.id, timeout)
+
+    def events(self, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
+        return self.client.events(self.id, timeout)
+
+    async def result(self, timeout: float | None = None) -> Result:
+        return await self.client.result(self.id, timeout)
+
+    def __repr__(self) -> str:
+        return f"AsyncHandle({self.id!r})"

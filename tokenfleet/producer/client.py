@@ -1,0 +1,137 @@
+"""Synchronous producer client."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+
+from tokenfleet import protocol
+from tokenfleet.config import prefix_from_env, redis_url_from_env
+from tokenfleet.errors import ResultTimeout
+from tokenfleet.producer.result import Chunk, Result, ResultBuilder
+from tokenfleet.producer.routing import build_request, load_tokenizer, target_stream
+from tokenfleet.protocol import TERMINAL_EVENTS, Keys
+
+BUCKETS_TTL_S = 10.0
+READ_BLOCK_MS = 1000
+
+
+class Client:
+    """Submit prompts to a tokenfleet fleet and read their results.
+
+    ``redis_url`` and ``prefix`` default to ``REDIS_URL`` and ``TOKENFLEET_PREFIX`` like the CLI.
+    ``model`` is a local model directory whose tokenizer picks the bucket; without it prompts go
+    to the ``auto`` stream and a worker tokenizes them.
+    """
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        model: str | None = None,
+        prefix: str | None = None,
+        *,
+        buckets: list[int] | None = None,
+        client: redis.Redis | None = None,
+    ):
+        self.redis = client or redis.Redis.from_url(redis_url_from_env(redis_url))
+        self.keys = Keys(prefix_from_env(prefix))
+        self.tokenizer = load_tokenizer(model)
+        self._fixed_buckets = list(buckets) if buckets else None
+        self._buckets: list[int] = []
+        self._buckets_at = float("-inf")
+
+    def buckets(self) -> list[int]:
+        """Bucket sizes served by the fleet (announced by workers; cached for a few seconds)."""
+        if self._fixed_buckets is not None:
+            return self._fixed_buckets
+        if time.monotonic() - self._buckets_at > BUCKETS_TTL_S:
+            self._buckets = sorted(int(b) for b in self.redis.smembers(self.keys.buckets))
+            self._buckets_at = time.monotonic()
+        return self._buckets
+
+    def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: list[int] | None = None,
+        request_id: str | None = None,
+        **params: Any,
+    ) -> Handle:
+        """Enqueue one request; returns at once with a :class:`Handle`.
+
+        ``params``: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
+        ``stop_token_ids``, ``ignore_eos``, ``deadline_ms``, ``reply_ttl_s`` (see PROTOCOL.md).
+        """
+        request = build_request(prompt, input_ids, self.tokenizer, request_id, params)
+        protocol.validate_request(request.to_wire())  # fail here, not in a worker's reply
+        self.redis.xadd(target_stream(self.keys, request, self.buckets()), protocol.encode_request(request))
+        return Handle(self, request.id)
+
+    def events(self, request_id: str, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """Every reply event of a request from the first, live, until the terminal one. Works for
+        requests submitted elsewhere, earlier (until their reply TTL expires)."""
+        key = self.keys.reply_stream(request_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last = "0"
+        while True:
+            block = READ_BLOCK_MS
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ResultTimeout(f"no terminal event for request {request_id} within {timeout}s")
+                block = max(1, min(block, int(left * 1000)))
+            resp = self.redis.xread({key: last}, block=block)
+            for _, items in resp or []:
+                for entry_id, fields in items:
+                    last = entry_id
+                    event = protocol.decode_event(fields)
+                    yield event
+                    if event["type"] in TERMINAL_EVENTS:
+                        return
+
+    def stream(self, request_id: str, timeout: float | None = None) -> Iterator[Chunk]:
+        """Token chunks as they arrive; raises :class:`RequestFailed` on an ``error`` event."""
+        builder = ResultBuilder(request_id)
+        for event in self.events(request_id, timeout):
+            chunk = builder.add(event)
+            if chunk is not None:
+                yield chunk
+
+    def result(self, request_id: str, timeout: float | None = None) -> Result:
+        """Block until the request ends; its :class:`Result`, or :class:`RequestFailed`."""
+        builder = ResultBuilder(request_id)
+        for event in self.events(request_id, timeout):
+            builder.add(event)
+        return builder.result
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Handle:
+    """A submitted request."""
+
+    def __init__(self, client: Client, request_id: str):
+        self.client = client
+        self.id = request_id
+
+    def stream(self, timeout: float | None = None) -> Iterator[Chunk]:
+        return self.client.stream(self.id, timeout)
+
+    def events(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        return self.client.events(self.id, timeout)
+
+    def result(self, timeout: float | None = None) -> Result:
+        return self.client.result(self.id, timeout)
+
+    def __repr__(self) -> str:
+        return f"Handle({self.id!r})"

@@ -1,0 +1,69 @@
+"""Everything a producer decides before the XADD: the request, its tokens, its stream.
+
+Shared by the sync and asyncio clients. The tokenizer is the ``tokenizers`` library reading the
+model's ``tokenizer.json`` (no transformers, no torch, no weights).
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+from tokenfleet.protocol import Keys, Request
+
+
+def load_tokenizer(model: str | None) -> Any | None:
+    """The fast tokenizer of a local model directory, or None when no model is given or it has no
+    ``tokenizer.json`` (the request then goes to the ``auto`` stream and a worker tokenizes)."""
+    if model is None:
+        return None
+    path = Path(model) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def build_request(
+    prompt: str | None,
+    input_ids: list[int] | None,
+    tokenizer: Any | None,
+    request_id: str | None,
+    params: dict[str, Any],
+) -> Request:
+    """A :class:`Request` carrying token ids whenever they can be known here."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("give exactly one of prompt and input_ids")
+    if prompt is not None and tokenizer is not None:
+        input_ids = tokenizer.encode(prompt).ids
+        prompt = None
+    for name in ("stop", "stop_token_ids"):
+        if isinstance(params.get(name), str):
+            params[name] = (params[name],)
+        elif params.get(name) is not None:
+            params[name] = tuple(params[name])
+    return Request(
+        id=request_id or new_request_id(),
+        prompt=prompt,
+        input_ids=tuple(input_ids) if input_ids is not None else None,
+        **params,
+    )
+
+
+def target_stream(keys: Keys, request: Request, buckets: list[int]) -> str:
+    """The stream a request goes to: the smallest served bucket that holds its tokens; ``auto``
+    when its length is unknown here or no worker has announced buckets. Too long for every bucket:
+    the largest, so that a worker answers with a clear ``prompt_too_long``."""
+    if request.input_ids is None or not buckets:
+        return keys.auto_stream
+    n = len(request.input_ids)
+    for bucket in sorted(buckets):
+        if n <= bucket:
+            return keys.request_stream(bucket)
+    return keys.request_stream(max(buckets))

@@ -1,0 +1,298 @@
+"""The worker: read requests from Redis, batch them, run them, stream tokens back, acknowledge.
+
+The loop runs in-process (an accelerator worker never forks per job). Each turn it flushes what
+the last step produced, reads at most what it could start soon, and runs one scheduler step.
+A request is acknowledged only in the same atomic round trip that writes its terminal event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import redis
+
+from tokenfleet import protocol
+from tokenfleet.config import WorkerConfig
+from tokenfleet.errors import ProtocolError
+from tokenfleet.protocol import ErrorCode, Keys
+from tokenfleet.worker.engine import Engine
+from tokenfleet.worker.scheduler import BatchEvent, Scheduler, StepOutput
+from tokenfleet.worker.sequence import SeqState
+from tokenfleet.worker.streams import Entry, Outbox, StreamReader
+
+log = logging.getLogger(__name__)
+
+IDLE_BLOCK_MS = 500  # longest blocking read, so that a stop request is noticed promptly
+HEARTBEAT_S = 2.0
+BACKOFF_START_S, BACKOFF_MAX_S = 0.1, 60.0
+
+
+def connect(url: str) -> redis.Redis:
+    """A client for ``redis://`` or ``rediss://`` URLs (user/password in the URL work)."""
+    return redis.Redis.from_url(url, socket_keepalive=True, health_check_interval=30)
+
+
+class Worker:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        engine: Engine | None = None,
+        client: redis.Redis | None = None,
+        on_batch: Callable[[BatchEvent], None] | None = None,
+    ):
+        self.config = config
+        self.keys = Keys(config.prefix)
+        self.engine = engine or Engine(config.model, config.device, config.dtype, config.kv)
+        self.scheduler = Scheduler(self.engine, config.batching, on_batch=self._on_batch)
+        self.client = client or connect(config.redis_url)
+        self.name = config.name or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+        streams = [self.keys.request_stream(b) for b in config.batching.buckets] + [self.keys.auto_stream]
+        self.reader = StreamReader(self.client, streams, self.name)
+        self.outbox = Outbox(self.client, self.keys)
+        self._stop = threading.Event()
+        self._user_on_batch = on_batch
+        self._last_heartbeat = 0.0
+        self.requests_finished = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop taking new work; :meth:`run` returns once what is held has finished."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def setup(self) -> None:
+        self.reader.ensure_groups()
+        self.client.sadd(self.keys.buckets, *self.config.batching.buckets)
+        self._heartbeat(force=True)
+        log.info(
+            "worker %s serving buckets %s (mode %s, max_batch_size %d, max_wait_ms %g)",
+            self.name,
+            ",".join(map(str, self.config.batching.buckets)),
+            self.config.batching.mode,
+            self.config.batching.max_batch_size,
+            self.config.batching.max_wait_ms,
+        )
+
+    def run(self) -> None:
+        """Serve until :meth:`stop`; Redis connection errors are retried with capped backoff."""
+        backoff = BACKOFF_START_S
+        try:
+            while True:
+                try:
+                    if not self.setup_done:
+                        self.setup()
+                        self.setup_done = True
+                    if self.stopping and not self._holds_work():
+                        break
+                    self._turn()
+                    backoff = BACKOFF_START_S
+                except (redis.ConnectionError, redis.TimeoutError) as e:
+                    log.warning("redis unavailable (%s); retrying in %.1fs", e, backoff)
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, BACKOFF_MAX_S)
+        finally:
+            self._teardown()
+
+    setup_done = False
+
+    def _holds_work(self) -> bool:
+        s = self.scheduler
+        return bool(s.running or s.preempted or len(s.batcher) or len(self.outbox))
+
+    def _teardown(self) -> None:
+        with contextlib.suppress(redis.RedisError):
+            self.client.hdel(self.keys.workers, self.name)
+        log.info("worker %s stopped after %d requests", self.name, self.requests_finished)
+
+    # -- one turn of the loop -------------------------------------------------------------------
+
+    def _turn(self) -> None:
+        self.outbox.flush()  # anything a failed round trip left behind goes first
+        if not self.stopping:
+            self._intake()
+        try:
+            outputs = self.scheduler.step(flush=self.stopping)
+        except Exception as e:  # a failed forward pass fails its sequences, never the worker
+            log.exception("step failed; failing the %d sequences it held", len(self.scheduler.running))
+            for seq in self.scheduler.drop(
+                lambda s: s in self.scheduler.running or s in self.scheduler.preempted
+            ):
+                self.outbox.event(
+                    seq.request.id,
+                    protocol.error_event(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"),
+                    seq.request.reply_ttl_s,
+                )
+                self.outbox.ack(*seq.key)
+            outputs = []
+        self._publish(outputs)
+        self.outbox.flush()
+        self._heartbeat()
+
+    def _block_ms(self) -> int | None:
+        """How long the read may wait: not at all while a batch runs; until the next batch is
+        due while requests wait; a bounded idle wait otherwise."""
+        if self.scheduler.busy:
+            return None
+        ready = self.scheduler.ready_at()
+        if ready is None:
+            return IDLE_BLOCK_MS
+        return min(IDLE_BLOCK_MS, max(1, int((ready - time.monotonic()) * 1000) + 1))
+
+    def _intake(self) -> None:
+        room = self.config.batching.max_batch_size - self.scheduler.num_waiting
+        if room <= 0:
+            return
+        block = self._block_ms()
+        if block is not None and self.scheduler.num_waiting and block <= 1:
+            block = None  # a batch is due now: take what is already there without waiting
+        for entry in self.reader.read(room, block):
+            self._accept(entry)
+
+    def _accept(self, entry: Entry) -> None:
+        """Decode, validate and queue one entry; anything wrong is answered or dead-lettered."""
+        try:
+            request = protocol.decode_request(entry.fields)
+        except ProtocolError as e:
+            self._refuse(entry, e)
+            return
+        try:
+            if entry.stream == self.keys.auto_stream:
+                self._route(entry, request)
+                return
+            seq = self._sequence(entry, request)
+        except ProtocolError as e:
+            self._refuse(entry, e)
+            return
+        now_wall, now = time.time(), time.monotonic()
+        # the max_wait_ms window counts from when Redis accepted the request, not from our read
+        arrived = now - min(max(0.0, now_wall - entry.enqueued_wall), 3600.0)
+        rejection = self.scheduler.add(seq, arrived)
+        if rejection is not None:
+            self._refuse(entry, ProtocolError(rejection.code, rejection.message, request_id=request.id))
+
+    def _tokens(self, request: protocol.Request) -> list[int]:
+        if request.input_ids is not None:
+            ids = list(request.input_ids)
+            if max(ids) >= self.engine.vocab_size:
+                raise ProtocolError(
+                    ErrorCode.INVALID_REQUEST,
+                    f"input_ids hold {max(ids)}, outside the model's vocabulary of {self.engine.vocab_size}",
+                    request_id=request.id,
+                )
+            return ids
+        return self.engine.tokenizer(request.prompt).input_ids
+
+    def _sequence(self, entry: Entry, request: protocol.Request) -> SeqState:
+        if request.max_new_tokens > self.config.max_new_tokens_cap:
+            raise ProtocolError(
+                ErrorCode.INVALID_REQUEST,
+                f"max_new_tokens {request.max_new_tokens} is above this worker's cap of "
+                f"{self.config.max_new_tokens_cap}",
+                request_id=request.id,
+            )
+        return SeqState(
+            key=(entry.stream, entry.entry_id),
+            request=request,
+            prompt_ids=self._tokens(request),
+            tokenizer=self.engine.tokenizer,
+            eos_ids=self.engine.eos_token_ids,
+            enqueued_wall=entry.enqueued_wall,
+        )
+
+    def _route(self, entry: Entry, request: protocol.Request) -> None:
+        """Tokenize an ``auto`` entry and move it to its bucket's stream."""
+        ids = self._tokens(request)
+        check = self.scheduler.batcher.check(len(ids), request.max_new_tokens)
+        if check is not None:
+            raise ProtocolError(check.code, check.message, request_id=request.id)
+        bucket = self.scheduler.batcher.bucket_for(len(ids))
+        routed = dataclasses.replace(request, prompt=None, input_ids=tuple(ids))
+        self.outbox.move(entry, self.keys.request_stream(bucket), protocol.encode_request(routed))
+
+    def _refuse(self, entry: Entry, error: ProtocolError) -> None:
+        request_id = error.request_id or protocol.salvage_request_id(entry.fields)
+        if error.dead_letter:
+            log.warning("dead-lettering %s %s: %s", entry.stream, entry.entry_id, error.message)
+            self.outbox.dead_letter(entry, error.code, error.message, self.name)
+        else:
+            log.info("refusing request %s: %s", request_id, error.code)
+        if request_id is not None:
+            self.outbox.event(
+                request_id, protocol.error_event(error.code, error.message), protocol.DEFAULT_REPLY_TTL_S
+            )
+        self.outbox.ack(entry.stream, entry.entry_id)
+
+    # -- results --------------------------------------------------------------------------------
+
+    def _publish(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            seq, req = out.seq, out.seq.request
+            first = out.index == 0
+            self.outbox.event(
+                req.id,
+                protocol.token_event(out.index, [out.token_id], out.text),
+                req.reply_ttl_s if first else None,
+            )
+            if out.finished:
+                self._finish(seq)
+
+    def _finish(self, seq: SeqState) -> None:
+        req = seq.request
+        done = protocol.done_event(
+            seq.finish_reason,
+            len(seq.prompt_ids),
+            len(seq.generated),
+            seq.timings(time.time()),
+            seq.batch_size,
+        )
+        done["mean_batch_size"] = round(seq.mean_batch_size, 2)
+        done["worker"] = self.name
+        self.outbox.event(req.id, done, req.reply_ttl_s)
+        self.outbox.ack(*seq.key)
+        self.requests_finished += 1
+
+    def _on_batch(self, event: BatchEvent) -> None:
+        if event.kind == "prefill":
+            log.info(
+                "batch size %d (prefill, padded to %d, padding waste %.2f)",
+                event.size,
+                event.padded_len,
+                event.padding_waste,
+            )
+        if self._user_on_batch is not None:
+            self._user_on_batch(event)
+
+    def _heartbeat(self, force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self._last_heartbeat < HEARTBEAT_S:
+            return
+        self._last_heartbeat = now
+        s = self.scheduler
+        self.client.hset(
+            self.keys.workers,
+            self.name,
+            protocol.pack(
+                {
+                    "buckets": list(self.config.batching.buckets),
+                    "device": str(self.engine.device),
+                    "dtype": str(self.engine.dtype).removeprefix("torch."),
+                    "mode": self.config.batching.mode,
+                    "running": len(s.running),
+                    "waiting": s.num_waiting,
+                    "finished": self.requests_finished,
+                    "seen": now,
+                }
+            ),
+        )

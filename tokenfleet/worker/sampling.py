@@ -1,0 +1,43 @@
+"""Next-token choice: greedy rows in one argmax, sampled rows with their own seeded generator."""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A generator for one request: seeded when the request gives a seed, random otherwise."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def sample_row(
+    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen: torch.Generator
+) -> int:
+    """Sample one token from ``logits`` ``[vocab]`` with temperature, top-k and top-p (nucleus)."""
+    scaled = logits / temperature
+    if 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        return int(order[torch.multinomial(sorted_probs, 1, generator=gen)])
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def choose_tokens(logits: torch.Tensor, params: list) -> list[int]:
+    """One token per row of ``logits`` ``[B, vocab]``; ``params[i]`` has ``temperature``,
+    ``top_p``, ``top_k`` and ``generator`` (a :class:`~tokenfleet.worker.sequence.SeqState`)."""
+    chosen = logits.argmax(dim=-1).tolist()  # the one host sync of a greedy step
+    for row, p in enumerate(params):
+        if p.temperature > 0.0:
+            chosen[row] = sample_row(logits[row], p.temperature, p.top_p, p.top_k, p.generator)
+    return chosen

@@ -1,0 +1,213 @@
+"""Iteration-level scheduling over the engine: admission, prefill, decode, preemption.
+
+One :meth:`Scheduler.step` is one forward pass: a prefill of newly dispatched (or resumed)
+sequences, or a decode step of every running sequence. Static and dynamic modes run a batch to
+completion before dispatching the next; continuous mode lets waiting requests join at the next
+step. No Redis here: the worker loop feeds requests in and publishes what a step returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tokenfleet.batcher import Batcher, PendingRequest, Rejection
+from tokenfleet.config import DynamicBatchingConfig
+from tokenfleet.protocol import ErrorCode
+from tokenfleet.worker.engine import Engine
+from tokenfleet.worker.sampling import choose_tokens
+from tokenfleet.worker.sequence import SeqState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one sequence: a token to stream, and maybe the end."""
+
+    seq: SeqState
+    index: int  # position of ``token_id`` among the generated tokens
+    token_id: int
+    text: str
+
+    @property
+    def finished(self) -> bool:
+        return self.seq.finished
+
+
+@dataclass(frozen=True)
+class BatchEvent:
+    """A forward pass the scheduler ran, for logs, metrics and the demo."""
+
+    kind: str  # "prefill" or "decode"
+    size: int
+    padded_len: int = 0
+    padding_waste: float = 0.0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine: Engine,
+        batching: DynamicBatchingConfig,
+        clock: Callable[[], float] = time.monotonic,
+        on_batch: Callable[[BatchEvent], None] | None = None,
+    ):
+        self.engine = engine
+        self.config = batching
+        self.clock = clock
+        self.batcher = Batcher(batching, clock)
+        self.running: list[SeqState] = []  # in admission order: the last is the youngest
+        self.preempted: deque[SeqState] = deque()
+        self.on_batch = on_batch
+        self.preemptions = 0
+
+    # -- intake ---------------------------------------------------------------------------------
+
+    def add(self, seq: SeqState, arrived: float) -> Rejection | None:
+        """Queue a sequence; a :class:`Rejection` if it can never run on this worker."""
+        prompt_len, max_new = len(seq.prompt_ids), seq.request.max_new_tokens
+        alloc = self.engine.allocator
+        if alloc.blocks_needed(prompt_len + max_new) > alloc.num_blocks:
+            return Rejection(
+                ErrorCode.CACHE_TOO_SMALL,
+                f"prompt ({prompt_len}) + max_new_tokens ({max_new}) needs "
+                f"{alloc.blocks_needed(prompt_len + max_new)} KV blocks; this worker has {alloc.num_blocks}",
+            )
+        return self.batcher.add(PendingRequest(seq.key, prompt_len, max_new, arrived, payload=seq))
+
+    @property
+    def num_waiting(self) -> int:
+        """Read from Redis, not yet started (the no-hoarding bound applies to this)."""
+        return len(self.batcher) + len(self.preempted)
+
+    @property
+    def busy(self) -> bool:
+        """A step would run something now."""
+        return bool(self.running or self.preempted) or self.batcher.is_due()
+
+    def ready_at(self) -> float | None:
+        """When an idle scheduler will next have a batch due (see :meth:`Batcher.ready_at`)."""
+        return self.batcher.ready_at()
+
+    # -- stepping -------------------------------------------------------------------------------
+
+    def step(self, flush: bool = False) -> list[StepOutput]:
+        """Run one forward pass if any is due; returns the tokens it produced. ``flush`` starts
+        waiting requests without waiting for their batch to be due (shutdown)."""
+        if self.running and self.config.mode == "continuous":
+            joiners = self._joiners(self.config.max_batch_size - len(self.running))
+            if joiners:
+                return self._prefill(joiners)
+        if self.running:
+            return self._decode()
+        joiners = self._joiners(self.config.max_batch_size, dispatch=not flush)
+        return self._prefill(joiners) if joiners else []
+
+    def _joiners(self, slots: int, dispatch: bool = False) -> list[SeqState]:
+        """Sequences to prefill now, blocks allocated. Preempted ones resume before anything new;
+        new ones are dispatched by the batching rule when the worker is idle, or taken at once to
+        join a running batch (continuous). Those the pool cannot hold yet go back to the queue."""
+        if slots <= 0:
+            return []
+        chosen: list[SeqState] = []
+        if self.preempted:
+            while self.preempted and len(chosen) < slots and self._fits(self.preempted[0], len(chosen)):
+                chosen.append(self.preempted.popleft())
+            return self._admit(chosen)
+        batch = self.batcher.next_batch(slots) if dispatch else self.batcher.take(slots)
+        if batch is None:
+            return []
+        unplaced: list[PendingRequest] = []
+        for item in batch.items:
+            if not unplaced and self._fits(item.payload, len(chosen)):
+                chosen.append(item.payload)
+            else:
+                unplaced.append(item)
+        if unplaced:
+            self.batcher.requeue(unplaced)
+        return self._admit(chosen)
+
+    def _fits(self, seq: SeqState, admitted_now: int) -> bool:
+        # keep one block per running sequence in reserve so decode can grow before preempting
+        reserve = len(self.running) + admitted_now
+        return self.engine.allocator.can_allocate(len(seq.all_tokens) + 1, reserve_blocks=reserve)
+
+    def _admit(self, seqs: list[SeqState]) -> list[SeqState]:
+        alloc = self.engine.allocator
+        for seq in seqs:
+            if alloc.allocate(seq.key, len(seq.all_tokens)) is None:  # _fits said yes
+                raise RuntimeError(f"KV allocation failed after admission check for {seq.key!r}")
+            seq.init_generator(self.engine.device)
+            if seq.started is None:
+                seq.started = time.time()
+                seq.batch_size = len(seqs) + len(self.running)
+        return seqs
+
+    def _prefill(self, seqs: list[SeqState]) -> list[StepOutput]:
+        token_lists = [s.all_tokens for s in seqs]
+        width = max(len(t) for t in token_lists)
+        real = sum(len(t) for t in token_lists)
+        self._emit(BatchEvent("prefill", len(seqs), width, (len(seqs) * width - real) / real))
+        logits = self.engine.prefill([s.key for s in seqs], token_lists)
+        self.running.extend(seqs)
+        return self._advance(seqs, choose_tokens(logits, seqs))
+
+    def _decode(self) -> list[StepOutput]:
+        self._reserve_slots()
+        seqs = list(self.running)
+        if not seqs:
+            return []
+        self._emit(BatchEvent("decode", len(seqs)))
+        logits = self.engine.decode([s.key for s in seqs], [s.generated[-1] for s in seqs])
+        for s in seqs:
+            s.decode_steps += 1
+            s.batch_size_sum += len(seqs)
+        return self._advance(seqs, choose_tokens(logits, seqs))
+
+    def _reserve_slots(self) -> None:
+        """Append one KV slot per running sequence; when the pool is dry, preempt the youngest
+        running sequence (its blocks freed, recomputed later) and try again."""
+        alloc = self.engine.allocator
+        i = 0
+        while i < len(self.running):
+            if alloc.append_slot(self.running[i].key) is not None:
+                i += 1
+                continue
+            victim = self.running.pop()
+            alloc.free(victim.key)
+            victim.preemptions += 1
+            self.preemptions += 1
+            self.preempted.append(victim)
+            log.info("KV pool full: preempted %s after %d tokens", victim.request.id, len(victim.generated))
+
+    def _advance(self, seqs: list[SeqState], tokens: list[int]) -> list[StepOutput]:
+        outputs = []
+        for seq, token in zip(seqs, tokens):
+            seq.append(token)
+            outputs.append(StepOutput(seq, len(seq.generated) - 1, token, seq.take_text_delta()))
+            if seq.finished:
+                self._release(seq)
+        return outputs
+
+    def _release(self, seq: SeqState) -> None:
+        self.running.remove(seq)
+        self.engine.allocator.free(seq.key)
+
+    def drop(self, predicate: Callable[[SeqState], bool]) -> list[SeqState]:
+        """Remove matching sequences wherever they are (running, preempted, waiting), freeing
+        their blocks; used for cancellation, deadlines and failed steps."""
+        dropped = [s for s in self.running if predicate(s)]
+        for seq in dropped:
+            self._release(seq)
+        gone = [s for s in self.preempted if predicate(s)]
+        self.preempted = deque(s for s in self.preempted if not predicate(s))
+        waiting = [item.payload for item in self.batcher.remove(lambda item: predicate(item.payload))]
+        return dropped + gone + waiting
+
+    def _emit(self, event: BatchEvent) -> None:
+        if self.on_batch is not None:
+            self.on_batch(event)

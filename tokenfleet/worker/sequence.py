@@ -1,0 +1,147 @@
+"""Per-request state while it runs: tokens, incremental detokenization, stop conditions, timings."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tokenfleet.protocol import FinishReason, Request
+from tokenfleet.worker.sampling import make_generator
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into text deltas without re-decoding the whole text,
+    holding back bytes that do not yet form a complete character (byte-level tokenizers)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._prefix = 0  # start of the window decoded for context
+        self._read = 0  # ids up to here have produced their text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back, at the end of the sequence."""
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return after[len(before) :]
+
+
+@dataclass
+class SeqState:
+    """A request being generated. ``key`` identifies it to the allocator and the caller."""
+
+    key: Any
+    request: Request
+    prompt_ids: list[int]
+    tokenizer: Any
+    eos_ids: frozenset[int]
+    enqueued_wall: float  # wall-clock time the request entered Redis
+    generated: list[int] = field(default_factory=list)
+    text: str = ""  # generated text decided so far (stop strings cut here)
+    sent_text_len: int = 0
+    finish_reason: str | None = None
+    started: float | None = None
+    first_token_at: float | None = None
+    batch_size: int = 0
+    decode_steps: int = 0
+    batch_size_sum: int = 0
+    preemptions: int = 0
+    resumed_tokens: int = 0  # tokens already streamed by an earlier attempt, not re-sent
+
+    def __post_init__(self) -> None:
+        self.detok = Detokenizer(self.tokenizer)
+        self.generator: torch.Generator | None = None
+        self._holdback = max((len(s) for s in self.request.stop), default=1) - 1
+
+    def init_generator(self, device: torch.device) -> None:
+        if self.request.temperature > 0.0 and self.generator is None:
+            self.generator = make_generator(self.request.seed, device)
+
+    # sampling parameters, read by sampling.choose_tokens
+    @property
+    def temperature(self) -> float:
+        return self.request.temperature
+
+    @property
+    def top_p(self) -> float:
+        return self.request.top_p
+
+    @property
+    def top_k(self) -> int:
+        return self.request.top_k
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.prompt_ids + self.generated
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token_id: int) -> None:
+        """Add one generated token and decide whether the sequence is finished."""
+        if self.first_token_at is None:
+            self.first_token_at = time.time()
+        self.generated.append(token_id)
+        searched = len(self.text)
+        self.text += self.detok.push(token_id)
+        req = self.request
+        if (not req.ignore_eos and token_id in self.eos_ids) or token_id in req.stop_token_ids:
+            self.finish_reason = FinishReason.STOP
+        elif len(self.generated) >= req.max_new_tokens:
+            self.finish_reason = FinishReason.LENGTH
+        if self.finish_reason is not None:
+            self.text += self.detok.flush()
+        if req.stop and self._cut_at_stop_string(searched):
+            self.finish_reason = FinishReason.STOP
+
+    def _cut_at_stop_string(self, searched: int) -> bool:
+        """Cut the text before the first stop string; only text after ``searched`` (minus the
+        longest stop string) can hold a new match."""
+        start = max(0, searched - self._holdback)
+        hits = [i for i in (self.text.find(s, start) for s in self.request.stop) if i >= 0]
+        if not hits:
+            return False
+        self.text = self.text[: min(hits)]
+        return True
+
+    def take_text_delta(self) -> str:
+        """Text that is safe to send now: all of it when finished, otherwise all but a tail that
+        could still turn out to start a stop string."""
+        end = (
+            len(self.text)
+            if self.finished or not self.request.stop
+            else max(self.sent_text_len, len(self.text) - self._holdback)
+        )
+        delta = self.text[self.sent_text_len : end]
+        self.sent_text_len = end
+        return delta
+
+    def timings(self, finished_at: float) -> dict[str, float]:
+        started = self.started or finished_at
+        first = self.first_token_at or finished_at
+        return {
+            "queue_ms": round(max(0.0, started - self.enqueued_wall) * 1000, 3),
+            "ttft_ms": round(max(0.0, first - self.enqueued_wall) * 1000, 3),
+            "total_ms": round(max(0.0, finished_at - self.enqueued_wall) * 1000, 3),
+        }
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.batch_size_sum / self.decode_steps if self.decode_steps else float(self.batch_size)

@@ -1,0 +1,154 @@
+"""Redis Streams plumbing of the worker: consumer groups, bounded reads, the outbox of replies.
+
+Everything the worker writes for one step (token events, terminal events, acknowledgements,
+dead letters) is queued in an :class:`Outbox` and sent in one MULTI/EXEC round trip, so a step
+costs one round trip however many requests it advanced, and a lost connection never leaves half
+of a step's events written.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import redis
+
+from tokenfleet import protocol
+from tokenfleet.protocol import GROUP, Keys
+
+# Reads up to ARGV[3] new entries in total across KEYS, in KEYS order: one round trip, and the
+# "no hoarding" bound holds exactly (plain XREADGROUP's COUNT applies per stream).
+_READ_BOUNDED = """
+local remaining = tonumber(ARGV[3])
+local out = {}
+for _, key in ipairs(KEYS) do
+  if remaining <= 0 then break end
+  local res = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', remaining, 'STREAMS', key, '>')
+  if res then
+    local entries = res[1][2]
+    remaining = remaining - #entries
+    table.insert(out, {key, entries})
+  end
+end
+return out
+"""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One request stream entry as read."""
+
+    stream: str
+    entry_id: str
+    fields: dict[bytes, bytes]
+
+    @property
+    def enqueued_wall(self) -> float:
+        """Wall-clock time Redis accepted the entry (the millisecond part of its id)."""
+        return int(self.entry_id.split("-", 1)[0]) / 1000.0
+
+
+def _decode_fields(flat: list) -> dict[bytes, bytes]:
+    return {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
+
+
+class StreamReader:
+    """Reads new entries for one consumer from several request streams, fairly and bounded."""
+
+    def __init__(self, client: redis.Redis, streams: list[str], consumer: str):
+        self.client = client
+        self.streams = streams
+        self.consumer = consumer
+        self._script = client.register_script(_READ_BOUNDED)
+        self._rotation = itertools.cycle(range(len(streams)))
+
+    def ensure_groups(self) -> None:
+        """Create the consumer group on every stream; from id 0 so that requests enqueued before
+        any worker existed are served."""
+        for stream in self.streams:
+            try:
+                self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+
+    def read(self, count: int, block_ms: int | None) -> list[Entry]:
+        """Up to ``count`` new entries. With ``block_ms``, wait that long for the first one (that
+        wait reads at most one entry per stream); the rest is read without waiting. Streams are
+        visited from a rotating start so that a busy stream cannot starve a quiet one."""
+        if count <= 0:
+            return []
+        entries: list[Entry] = []
+        if block_ms is not None:
+            resp = self.client.xreadgroup(
+                GROUP, self.consumer, {s: ">" for s in self.streams}, count=1, block=max(1, block_ms)
+            )
+            for stream, items in resp or []:
+                for entry_id, fields in items:
+                    entries.append(Entry(stream.decode(), entry_id.decode(), fields))
+            if not entries:
+                return []
+        remaining = count - len(entries)
+        if remaining > 0:
+            start = next(self._rotation)
+            order = self.streams[start:] + self.streams[:start]
+            for stream, items in self._script(keys=order, args=[GROUP, self.consumer, remaining]):
+                for entry_id, flat in items:
+                    entries.append(Entry(stream.decode(), entry_id.decode(), _decode_fields(flat)))
+        return entries
+
+
+class Outbox:
+    """Commands waiting to be sent as one atomic round trip."""
+
+    def __init__(self, client: redis.Redis, keys: Keys):
+        self.client = client
+        self.keys = keys
+        self._commands: list[tuple[str, tuple, dict]] = []
+
+    def __len__(self) -> int:
+        return len(self._commands)
+
+    def _add(self, name: str, *args, **kwargs) -> None:
+        self._commands.append((name, args, kwargs))
+
+    def event(self, request_id: str, event: dict, ttl_s: int | None = None) -> None:
+        """Append a reply event; ``ttl_s`` (re)sets the reply stream's expiry."""
+        key = self.keys.reply_stream(request_id)
+        self._add("xadd", key, protocol.encode_event(event))
+        if ttl_s is not None:
+            self._add("expire", key, ttl_s)
+
+    def ack(self, stream: str, entry_id: str) -> None:
+        self._add("xack", stream, GROUP, entry_id)
+
+    def dead_letter(self, entry: Entry, code: str, reason: str, worker: str) -> None:
+        self._add(
+            "xadd",
+            self.keys.dead_letter,
+            {
+                b"stream": entry.stream,
+                b"entry": entry.entry_id,
+                b"code": code,
+                b"reason": reason[:1000],
+                b"worker": worker,
+                b"at": str(time.time()),
+                b"body": protocol.pack(entry.fields),
+            },
+        )
+
+    def move(self, entry: Entry, to_stream: str, fields: dict[bytes, bytes]) -> None:
+        """Re-enqueue an entry on another stream and acknowledge it here, atomically."""
+        self._add("xadd", to_stream, fields)
+        self.ack(entry.stream, entry.entry_id)
+
+    def flush(self) -> None:
+        """Send everything queued in one MULTI/EXEC; on a connection error keep it for a retry."""
+        if not self._commands:
+            return
+        pipe = self.client.pipeline(transaction=True)
+        for name, args, kwargs in self._commands:
+            getattr(pipe, name)(*args, **kwargs)
+        pipe.execute()
+        self._commands.clear()
