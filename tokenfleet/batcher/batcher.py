@@ -5,6 +5,7 @@ The clock is injected (any zero-argument callable returning seconds) so tests dr
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -25,6 +26,7 @@ class PendingRequest:
     arrived: float
     payload: Any = None
     bucket: int = field(default=0, init=False)
+    order: int = field(default=0, init=False)  # arrival order at this batcher: breaks time ties
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class Batcher:
         self.config = config
         self.clock = clock
         self._queues: dict[int, deque[PendingRequest]] = {b: deque() for b in config.buckets}
+        self._counter = itertools.count()
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -111,6 +114,7 @@ class Batcher:
         if rejection is not None:
             return rejection
         item.bucket = self.bucket_for(item.prompt_len)  # type: ignore[assignment]
+        item.order = next(self._counter)
         self._queues[item.bucket].append(item)
         return None
 
@@ -137,7 +141,7 @@ class Batcher:
         """The queues batches are formed from: one per bucket, or one merged FIFO under ``max``."""
         if self.config.padding == "bucket":
             return [q for q in self._queues.values() if q]
-        merged = sorted(self.pending(), key=lambda it: it.arrived)
+        merged = sorted(self.pending(), key=lambda it: (it.arrived, it.order))
         return [deque(merged)] if merged else []
 
     def _is_full(self, group: deque[PendingRequest]) -> bool:
@@ -170,12 +174,12 @@ class Batcher:
         candidates = []
         for group in self._groups():
             full = self._is_full(group)
-            waited = now - group[0].arrived >= self.config.max_wait_s
+            waited = now >= group[0].arrived + self.config.max_wait_s  # same sum as ready_at
             if full or (self.config.mode != "static" and waited):
                 candidates.append(group)
         if not candidates:
             return None
-        oldest = min(candidates, key=lambda g: g[0].arrived)
+        oldest = min(candidates, key=lambda g: (g[0].arrived, g[0].order))
         return self._form(oldest, limit)
 
     def take(self, limit: int) -> Batch | None:
@@ -184,7 +188,7 @@ class Batcher:
         groups = self._groups()
         if not groups or limit < 1:
             return None
-        oldest = min(groups, key=lambda g: g[0].arrived)
+        oldest = min(groups, key=lambda g: (g[0].arrived, g[0].order))
         return self._form(oldest, limit)
 
     def requeue(self, items: list[PendingRequest]) -> None:

@@ -108,39 +108,40 @@ class Scheduler:
         return self._prefill(joiners) if joiners else []
 
     def _joiners(self, slots: int, dispatch: bool = False) -> list[SeqState]:
-        """Sequences to prefill now, blocks allocated. Preempted ones resume before anything new;
-        new ones are dispatched by the batching rule when the worker is idle, or taken at once to
-        join a running batch (continuous). Those the pool cannot hold yet go back to the queue."""
+        """Sequences to prefill now, their blocks allocated. Preempted ones resume before anything
+        new; new ones are dispatched by the batching rule when the worker is idle, or taken at once
+        to join a running batch (continuous). Those the pool cannot hold yet go back to the queue."""
         if slots <= 0:
             return []
         chosen: list[SeqState] = []
         if self.preempted:
-            while self.preempted and len(chosen) < slots and self._fits(self.preempted[0], len(chosen)):
+            while self.preempted and len(chosen) < slots and self._allocate(self.preempted[0], len(chosen)):
                 chosen.append(self.preempted.popleft())
-            return self._admit(chosen)
+            return self._started(chosen)
         batch = self.batcher.next_batch(slots) if dispatch else self.batcher.take(slots)
         if batch is None:
             return []
         unplaced: list[PendingRequest] = []
         for item in batch.items:
-            if not unplaced and self._fits(item.payload, len(chosen)):
+            if not unplaced and self._allocate(item.payload, len(chosen)):
                 chosen.append(item.payload)
             else:
                 unplaced.append(item)
         if unplaced:
             self.batcher.requeue(unplaced)
-        return self._admit(chosen)
+        return self._started(chosen)
 
-    def _fits(self, seq: SeqState, admitted_now: int) -> bool:
-        # keep one block per running sequence in reserve so decode can grow before preempting
-        reserve = len(self.running) + admitted_now
-        return self.engine.allocator.can_allocate(len(seq.all_tokens) + 1, reserve_blocks=reserve)
-
-    def _admit(self, seqs: list[SeqState]) -> list[SeqState]:
+    def _allocate(self, seq: SeqState, admitted_now: int) -> bool:
+        """Give ``seq`` blocks for all its tokens if that leaves one block in reserve per running
+        sequence (so decode can grow before anyone is preempted)."""
         alloc = self.engine.allocator
+        tokens = len(seq.all_tokens)
+        if not alloc.can_allocate(tokens + 1, reserve_blocks=len(self.running) + admitted_now):
+            return False
+        return alloc.allocate(seq.key, tokens) is not None
+
+    def _started(self, seqs: list[SeqState]) -> list[SeqState]:
         for seq in seqs:
-            if alloc.allocate(seq.key, len(seq.all_tokens)) is None:  # _fits said yes
-                raise RuntimeError(f"KV allocation failed after admission check for {seq.key!r}")
             seq.init_generator(self.engine.device)
             if seq.started is None:
                 seq.started = time.time()

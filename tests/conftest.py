@@ -1,0 +1,147 @@
+"""Shared fixtures: a real Redis server with per-test key prefixes, a tiny model built locally,
+one engine shared by the in-process workers, and reference generations from ``model.generate``."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig, WorkerConfig
+from tokenfleet.embedded import EmbeddedRedis, answers
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """The Redis that CI started (or the machine's), else a private one for this session."""
+    if answers(REDIS_URL):
+        yield REDIS_URL
+        return
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture
+def prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix of this test's own; its keys are deleted afterwards (never FLUSHALL)."""
+    name = f"tftest-{secrets.token_hex(4)}"
+    yield name
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(match=f"{name}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.fixture
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tokenfleet.models import init_model
+
+    return str(init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny"))
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model: str):
+    """One fp32 engine (greedy equivalence is checked in fp32: bf16 batched shapes round differently)."""
+    from tokenfleet.worker.engine import Engine
+
+    return Engine(tiny_model, device="cpu", dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=2048))
+
+
+class Reference:
+    """Greedy continuations from ``model.generate`` on a separately loaded model, memoized."""
+
+    def __init__(self, model_dir: str):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self._memo: dict[tuple, list[int]] = {}
+
+    def ids(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    def greedy(self, input_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+        key = (tuple(input_ids), max_new_tokens, ignore_eos)
+        if key not in self._memo:
+            ids = self.torch.tensor([input_ids])
+            kwargs = dict(
+                max_new_tokens=max_new_tokens, do_sample=False, attention_mask=self.torch.ones_like(ids)
+            )
+            if ignore_eos:
+                kwargs.update(eos_token_id=None, min_new_tokens=max_new_tokens)
+            with self.torch.inference_mode():
+                out = self.model.generate(ids, **kwargs)
+            self._memo[key] = out[0, len(input_ids) :].tolist()
+        return self._memo[key]
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model: str) -> Reference:
+    return Reference(tiny_model)
+
+
+class RunningWorker:
+    """A worker serving in a thread of the test process, stopped (and checked) on exit."""
+
+    def __init__(self, engine, redis_url: str, prefix: str, batching: DynamicBatchingConfig, **kw):
+        from tokenfleet.worker.loop import Worker
+
+        config = WorkerConfig(model="unused", redis_url=redis_url, prefix=prefix, batching=batching, **kw)
+        self.batches: list = []
+        self.worker = Worker(config, engine=engine, on_batch=self.batches.append)
+        self.thread = threading.Thread(target=self.worker.run, daemon=True)
+
+    def __enter__(self) -> RunningWorker:
+        self.worker.setup()
+        self.worker.setup_done = True
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker.stop()
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "worker did not stop"
+        alloc = self.worker.engine.allocator
+        alloc.check_integrity()
+        assert alloc.num_used_blocks == 0, "blocks leaked"
+
+    @property
+    def prefill_sizes(self) -> list[int]:
+        return [b.size for b in self.batches if b.kind == "prefill"]
+
+
+@pytest.fixture
+def run_worker(engine, redis_url, prefix):
+    def start(batching: DynamicBatchingConfig | None = None, **kw) -> RunningWorker:
+        return RunningWorker(
+            engine,
+            redis_url,
+            prefix,
+            batching
+            or DynamicBatchingConfig(max_wait_ms=20, max_batch_size=8, max_seq_len=256, buckets=(16, 32, 64)),
+            **kw,
+        )
+
+    return start
+
+
+@pytest.fixture
+def model_path(tiny_model: str) -> Path:
+    return Path(tiny_model)

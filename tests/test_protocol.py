@@ -1,0 +1,143 @@
+"""Wire protocol: codec round trips, the plain-field form, validation and stable error codes."""
+
+import msgpack
+import pytest
+
+from tokenfleet import protocol
+from tokenfleet.errors import ProtocolError
+from tokenfleet.protocol import ErrorCode, Keys, Request
+
+
+def test_keys_share_one_prefix():
+    k = Keys("p")
+    assert k.request_stream(128) == "p:req:128"
+    assert k.auto_stream == "p:req:auto"
+    assert k.reply_stream("abc") == "p:reply:abc"
+    assert k.dead_letter == "p:dead"
+
+
+def test_msgpack_round_trip():
+    req = Request(
+        id="r1",
+        input_ids=(0, 5, 6),
+        max_new_tokens=9,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        seed=3,
+        stop=("\n\n",),
+        stop_token_ids=(7,),
+        ignore_eos=True,
+        deadline_ms=1,
+        reply_ttl_s=60,
+    )
+    assert protocol.decode_request(protocol.encode_request(req)) == req
+
+
+def test_plain_fields_as_redis_cli_sends_them():
+    fields = {
+        b"v": b"1",
+        b"id": b"cli-1",
+        b"prompt": b"hello",
+        b"max_new_tokens": b"8",
+        b"temperature": b"0",
+        b"stop": b'["\\n"]',
+        b"ignore_eos": b"true",
+    }
+    req = protocol.decode_request(fields)
+    assert (req.id, req.prompt, req.max_new_tokens, req.stop, req.ignore_eos) == (
+        "cli-1",
+        "hello",
+        8,
+        ("\n",),
+        True,
+    )
+
+
+def err(fields) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        protocol.decode_request(fields)
+    return info.value
+
+
+def body(**kw) -> dict:
+    return {b"m": msgpack.packb({"v": 1, "id": "x1", "prompt": "hi", **kw})}
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(max_new_tokens="ten"),
+        dict(max_new_tokens=0),
+        dict(max_new_tokens=10**9),
+        dict(temperature=-1),
+        dict(temperature=float("nan")),
+        dict(top_p=0),
+        dict(top_k=True),
+        dict(stop="x" * 1000),
+        dict(stop=[1, 2]),
+        dict(stop_token_ids=["a"]),
+        dict(ignore_eos="yes"),
+        dict(prompt=123),
+        dict(prompt=""),
+        dict(input_ids=[1, 2]),  # both prompt and input_ids
+        dict(reply_ttl_s=0),
+    ],
+)
+def test_invalid_fields_get_an_error_reply_with_stable_code(kw):
+    e = err(body(**kw))
+    assert e.code == ErrorCode.INVALID_REQUEST
+    assert e.request_id == "x1" and not e.dead_letter
+
+
+def test_input_ids_must_be_small_non_negative_ints():
+    e = err({b"m": msgpack.packb({"id": "x1", "input_ids": [1, -2]})})
+    assert e.code == ErrorCode.INVALID_REQUEST
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {b"m": b"\xc1\xc1 not msgpack"},
+        {b"m": msgpack.packb([1, 2, 3])},
+        {b"m": msgpack.packb({"id": "x"}) + b"trailing"},
+        {b"id": b"\xff\xfe"},
+        {b"m": msgpack.packb(msgpack.ExtType(1, b"code"))},
+    ],
+)
+def test_undecodable_bodies_are_dead_lettered(fields):
+    e = err(fields)
+    assert e.dead_letter
+    assert e.code == ErrorCode.UNDECODABLE
+
+
+def test_missing_or_bad_id_is_dead_lettered():
+    assert err({b"m": msgpack.packb({"prompt": "hi"})}).dead_letter
+    assert err({b"m": msgpack.packb({"id": "has space", "prompt": "hi"})}).dead_letter
+    assert err({b"m": msgpack.packb({"id": "x" * 200, "prompt": "hi"})}).dead_letter
+
+
+def test_unknown_version_is_dead_lettered_but_keeps_the_id():
+    e = err({b"m": msgpack.packb({"v": 2, "id": "abc", "prompt": "hi"})})
+    assert e.dead_letter and e.code == ErrorCode.UNSUPPORTED_VERSION and e.request_id == "abc"
+
+
+def test_unknown_fields_are_kept_aside_not_rejected():
+    req = protocol.decode_request(body(future_field=[1, 2]))
+    assert req.extra == {"future_field": [1, 2]}
+
+
+def test_oversized_prompt_is_refused():
+    e = err(body(prompt="x" * (protocol.MAX_PROMPT_BYTES + 1)))
+    assert e.code == ErrorCode.INVALID_REQUEST
+
+
+def test_salvage_request_id_from_a_broken_entry():
+    assert protocol.salvage_request_id({b"id": b"abc", b"max_new_tokens": b"x"}) == "abc"
+    assert protocol.salvage_request_id({b"m": b"\xc1"}) is None
+
+
+def test_reply_events_round_trip():
+    ev = protocol.done_event("stop", 3, 4, {"ttft_ms": 1.0}, 7)
+    assert protocol.decode_event(protocol.encode_event(ev)) == ev
+    assert protocol.encode_event(ev)[b"type"] == b"done"

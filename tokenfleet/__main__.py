@@ -1,0 +1,3 @@
+from tokenfleet.cli import main
+
+main()

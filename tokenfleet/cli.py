@@ -1,0 +1,345 @@
+"""``tokenfleet``: the command line. Thin: it parses, builds objects and calls them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+
+import click
+
+from tokenfleet.config import (
+    DEFAULT_BUCKETS,
+    MODES,
+    PADDINGS,
+    DynamicBatchingConfig,
+    KVCacheConfig,
+    WorkerConfig,
+    parse_buckets,
+    parse_size,
+    prefix_from_env,
+    redis_url_from_env,
+)
+from tokenfleet.errors import TokenfleetError
+
+redis_url_option = click.option(
+    "--redis-url",
+    envvar="REDIS_URL",
+    default=None,
+    show_envvar=True,
+    help="Redis URL (redis:// or rediss://, user:password@ allowed). Default redis://127.0.0.1:6379/0.",
+)
+prefix_option = click.option(
+    "--prefix",
+    envvar="TOKENFLEET_PREFIX",
+    default=None,
+    show_envvar=True,
+    help="Prefix of every Redis key (default: tokenfleet).",
+)
+
+
+def _fail(message: str) -> None:
+    raise click.ClickException(message)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="tokenfleet")
+def main() -> None:
+    """Serve LLM text generation from a fleet of workers fed by Redis Streams.
+
+    \b
+    Try it:     tokenfleet demo
+    Run a fleet:
+      tokenfleet model init ./tiny                     # or use any local HF causal LM
+      tokenfleet worker --model ./tiny                 # as many as you like, anywhere
+      tokenfleet submit --model ./tiny "Hello"         # streams tokens to stdout
+    """
+
+
+@main.group()
+def model() -> None:
+    """Build local models (nothing is downloaded)."""
+
+
+@model.command("init")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option(
+    "--size",
+    type=click.Choice(["tiny", "small"]),
+    default="tiny",
+    show_default=True,
+    help="tiny: ~3M parameters (tests, demo); small: ~113M, hidden 768, 12 layers (benchmarks).",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
+def model_init(directory: str, size: str, seed: int) -> None:
+    """Write a Llama-architecture model with random weights and a byte-level tokenizer to DIRECTORY,
+    loadable with from_pretrained(DIRECTORY)."""
+    from tokenfleet.models import init_model
+
+    path = init_model(directory, size, seed)
+    click.echo(f"wrote {size} model to {path}")
+
+
+@main.command()
+@click.option(
+    "--model",
+    "model_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="Local Hugging Face causal LM directory.",
+)
+@redis_url_option
+@prefix_option
+@click.option(
+    "--buckets",
+    default=",".join(map(str, DEFAULT_BUCKETS)),
+    show_default=True,
+    help="Prompt-length buckets served, comma-separated.",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(MODES),
+    default="continuous",
+    show_default=True,
+    help="static: wait for a full batch; dynamic: full batch or max-wait-ms, run to completion; "
+    "continuous: dynamic, then join waiting requests at every step.",
+)
+@click.option(
+    "--max-wait-ms",
+    type=float,
+    default=50.0,
+    show_default=True,
+    help="Longest time the oldest waiting request waits for a batch to fill.",
+)
+@click.option("--max-batch-size", type=int, default=32, show_default=True, help="Most sequences per batch.")
+@click.option(
+    "--max-seq-len",
+    type=int,
+    default=2048,
+    show_default=True,
+    help="Longest prompt + generated tokens a request may need.",
+)
+@click.option(
+    "--padding",
+    type=click.Choice(PADDINGS),
+    default="bucket",
+    show_default=True,
+    help="bucket: one bucket per batch; max: mix buckets, pad to the longest prompt.",
+)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda[:N] or npu[:N].")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    default="auto",
+    show_default=True,
+    help="auto: bf16 on accelerators and bf16-capable CPUs, else float32.",
+)
+@click.option(
+    "--block-size",
+    type=int,
+    default=16,
+    show_default=True,
+    help="Tokens per KV block (128 suits Ascend kernels).",
+)
+@click.option(
+    "--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-memory)."
+)
+@click.option(
+    "--kv-cache-memory", default=None, help="KV pool budget, e.g. 2GiB (default: as large as the weights)."
+)
+@click.option(
+    "--max-new-tokens-cap",
+    type=int,
+    default=4096,
+    show_default=True,
+    help="Largest max_new_tokens a request may ask for.",
+)
+@click.option("--threads", type=int, default=None, help="torch intra-op threads (CPU).")
+@click.option("--name", default=None, help="Consumer name (default: host-pid-random).")
+@click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
+def worker(
+    model_dir,
+    redis_url,
+    prefix,
+    buckets,
+    mode,
+    max_wait_ms,
+    max_batch_size,
+    max_seq_len,
+    padding,
+    device,
+    dtype,
+    block_size,
+    num_blocks,
+    kv_cache_memory,
+    max_new_tokens_cap,
+    threads,
+    name,
+    log_level,
+) -> None:
+    """Serve requests from the bucket streams until SIGTERM/SIGINT (then finish what is held)."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = WorkerConfig(
+            model=model_dir,
+            redis_url=redis_url_from_env(redis_url),
+            prefix=prefix_from_env(prefix),
+            batching=DynamicBatchingConfig(
+                max_wait_ms=max_wait_ms,
+                max_batch_size=max_batch_size,
+                max_seq_len=max_seq_len,
+                buckets=parse_buckets(buckets),
+                padding=padding,
+                mode=mode,
+            ),
+            kv=KVCacheConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                memory_bytes=parse_size(kv_cache_memory) if kv_cache_memory else None,
+            ),
+            device=device,
+            dtype=dtype,
+            name=name,
+            max_new_tokens_cap=max_new_tokens_cap,
+            threads=threads,
+        )
+    except ValueError as e:
+        _fail(str(e))
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    from tokenfleet.worker.loop import Worker
+
+    try:
+        w = Worker(config)
+    except ValueError as e:
+        _fail(str(e))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: w.stop())
+    w.run()
+
+
+def _client(redis_url, model_dir, prefix):
+    from tokenfleet.producer import Client
+
+    return Client(redis_url, model=model_dir, prefix=prefix)
+
+
+@main.command()
+@click.argument("prompt")
+@redis_url_option
+@prefix_option
+@click.option(
+    "--model",
+    "model_dir",
+    default=None,
+    type=click.Path(exists=True, file_okay=False),
+    help="Model directory whose tokenizer picks the bucket (else a worker routes the prompt).",
+)
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 means greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 disables top-k.")
+@click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible outputs).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
+@click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for the end.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the final result as JSON instead of streaming text."
+)
+def submit(
+    prompt,
+    redis_url,
+    prefix,
+    model_dir,
+    max_new_tokens,
+    temperature,
+    top_p,
+    top_k,
+    seed,
+    stop,
+    ignore_eos,
+    timeout,
+    as_json,
+) -> None:
+    """Enqueue PROMPT and stream the generated text to stdout."""
+    params = dict(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=stop or None,
+        ignore_eos=ignore_eos,
+    )
+    try:
+        with _client(redis_url, model_dir, prefix) as client:
+            handle = client.submit(prompt, **{k: v for k, v in params.items() if v is not None})
+            if as_json:
+                click.echo(json.dumps(client.result(handle.id, timeout=timeout).__dict__))
+                return
+            for chunk in handle.stream(timeout=timeout):
+                click.echo(chunk.text, nl=False)
+            click.echo()
+    except TokenfleetError as e:
+        _fail(str(e))
+    except Exception as e:  # redis errors, bad parameters: one line, no traceback
+        _fail(f"{type(e).__name__}: {e}")
+
+
+@main.command()
+@click.argument("request_id")
+@redis_url_option
+@prefix_option
+@click.option("--timeout", type=float, default=300.0, show_default=True)
+def result(request_id, redis_url, prefix, timeout) -> None:
+    """Print the result of REQUEST_ID (submitted anywhere, earlier) as JSON."""
+    try:
+        with _client(redis_url, None, prefix) as client:
+            click.echo(json.dumps(client.result(request_id, timeout=timeout).__dict__))
+    except TokenfleetError as e:
+        _fail(str(e))
+
+
+@main.command()
+@redis_url_option
+@prefix_option
+@click.option(
+    "--model",
+    "model_dir",
+    default=None,
+    type=click.Path(exists=True, file_okay=False),
+    help="Model to serve (default: the tiny model, built in ~/.cache/tokenfleet if absent).",
+)
+@click.option(
+    "--requests",
+    "num_requests",
+    type=int,
+    default=16,
+    show_default=True,
+    help="Concurrent prompts to submit.",
+)
+@click.option("--max-new-tokens", type=int, default=24, show_default=True)
+def demo(redis_url, prefix, model_dir, num_requests, max_new_tokens) -> None:
+    """Run the whole path locally: model, Redis (embedded if none answers), a worker, a burst of
+    concurrent prompts; prints TTFTs and the batch sizes formed. Cleans up what it started."""
+    from tokenfleet.demo import run_demo
+
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        report = run_demo(model_dir, redis_url, prefix, num_requests, max_new_tokens, echo=click.echo)
+    except (RuntimeError, TokenfleetError) as e:
+        _fail(str(e))
+    if report.completed != num_requests:
+        _fail(f"only {report.completed} of {num_requests} requests completed")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""``tokenfleet demo``: the whole path on one machine, with nothing configured beforehand.
+
+Builds the tiny model in a cache folder if absent, finds or starts a Redis server, runs a worker,
+fires a burst of concurrent prompts through the producer client, streams them, and shows each
+request's time to first token and the batches the worker formed. Cleans up all it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from tokenfleet.config import DEFAULT_REDIS_URL, DynamicBatchingConfig, KVCacheConfig, WorkerConfig
+from tokenfleet.embedded import EmbeddedRedis, answers
+
+DEMO_PROMPTS = (
+    "Hello, fleet!",
+    "Write a haiku about queues.",
+    "Redis streams carry prompts to workers that batch them.",
+    "What is a paged KV cache?",
+    "Once upon a time",
+    "The quick brown fox jumps over the lazy dog, again and again, until the dog gets up.",
+    "Explain dynamic batching in one sentence.",
+    "tokenfleet",
+)
+
+
+def default_model_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "tokenfleet" / "models" / "tiny"
+
+
+def ensure_model(model: str | None, echo: Callable[[str], None]) -> str:
+    from tokenfleet.models import init_model, is_model_dir
+
+    if model is not None:
+        return model
+    path = default_model_dir()
+    if not is_model_dir(path):
+        echo(f"building the tiny demo model in {path} ...")
+        init_model(path, "tiny")
+    return str(path)
+
+
+@dataclass
+class DemoReport:
+    ttfts_ms: list[float]
+    batch_sizes: list[int]
+    completed: int
+
+
+def run_demo(
+    model: str | None,
+    redis_url: str | None,
+    prefix: str | None,
+    requests: int,
+    max_new_tokens: int,
+    echo: Callable[[str], None] = print,
+) -> DemoReport:
+    model_dir = ensure_model(model, echo)
+    server: EmbeddedRedis | None = None
+    url = redis_url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
+    if not answers(url):
+        if redis_url or os.environ.get("REDIS_URL"):
+            raise RuntimeError(f"no Redis server answers at {url}")
+        echo("no Redis server at 127.0.0.1:6379; starting an embedded one")
+        server = EmbeddedRedis().start()
+        url = server.url
+    own_prefix = prefix or f"tokenfleet-demo-{secrets.token_hex(3)}"
+    try:
+        return _run(model_dir, url, own_prefix, requests, max_new_tokens, echo)
+    finally:
+        if prefix is None:
+            _delete_prefix(url, own_prefix)
+        if server is not None:
+            server.stop()
+
+
+def _run(model_dir: str, url: str, prefix: str, requests: int, max_new_tokens: int, echo) -> DemoReport:
+    from tokenfleet.producer import AsyncClient
+    from tokenfleet.worker.loop import Worker
+
+    batching = DynamicBatchingConfig(
+        max_wait_ms=50, max_batch_size=16, max_seq_len=1024, buckets=(32, 64, 128), mode="dynamic"
+    )
+    batch_sizes: list[int] = []
+    worker = Worker(
+        WorkerConfig(model=model_dir, redis_url=url, prefix=prefix, batching=batching, kv=KVCacheConfig()),
+        on_batch=lambda ev: batch_sizes.append(ev.size) if ev.kind == "prefill" else None,
+    )
+    thread = threading.Thread(target=worker.run, name="tokenfleet-worker", daemon=True)
+    thread.start()
+    echo(f"worker up on {url} (prefix {prefix!r}); submitting {requests} prompts at once\n")
+
+    async def burst() -> list[tuple[str, float, str]]:
+        async with AsyncClient(url, model=model_dir, prefix=prefix, buckets=list(batching.buckets)) as client:
+            prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(requests)]
+            t0 = time.perf_counter()
+            handles = [
+                await client.submit(p, max_new_tokens=max_new_tokens, ignore_eos=True) for p in prompts
+            ]
+
+            async def follow(handle) -> tuple[float, str]:
+                first = None
+                pieces = []
+                async for chunk in handle.stream(timeout=120):
+                    first = first or time.perf_counter()
+                    pieces.append(chunk.text)
+                return ((first or time.perf_counter()) - t0) * 1000, "".join(pieces)
+
+            done = await asyncio.gather(*(follow(h) for h in handles))
+            return [(p, ttft, text) for p, (ttft, text) in zip(prompts, done)]
+
+    try:
+        rows = asyncio.run(burst())
+    finally:
+        worker.stop()
+        thread.join(timeout=30)
+    for i, (prompt, ttft, text) in enumerate(rows):
+        shown = "".join(ch if ch.isprintable() and ch != "\ufffd" else "." for ch in text)[:32]
+        echo(f"  #{i:<3} TTFT {ttft:7.1f} ms  {prompt[:40]!r:44} -> {shown!r}")
+    echo("")
+    for size in batch_sizes:
+        echo(f"batch size {size}")
+    echo(f"\n{len(rows)} requests in {len(batch_sizes)} batches (random-weight model: the text is noise)")
+    return DemoReport([r[1] for r in rows], batch_sizes, len(rows))
+
+
+def _delete_prefix(url: str, prefix: str) -> None:
+    client = redis.Redis.from_url(url)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}:*", count=500))
+        if keys:
+            client.delete(*keys)
+    except redis.RedisError:
+        pass
+    finally:
+        client.close()
