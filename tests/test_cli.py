@@ -1,0 +1,79 @@
+"""The command line as users run it: real processes, a real Redis, a real tiny model."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from tokenfleet.cli import main
+
+
+def tf(*args, env=None, timeout=120, **kw):
+    return subprocess.run([sys.executable, "-m", "tokenfleet", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})}, **kw)
+
+
+@pytest.mark.parametrize("command", [[], ["worker"], ["submit"], ["demo"], ["model", "init"], ["result"]])
+def test_help_explains_every_command(command):
+    out = CliRunner().invoke(main, [*command, "--help"])
+    assert out.exit_code == 0
+    assert "Usage:" in out.output and len(out.output.splitlines()) > 3
+
+
+def test_bad_flag_value_is_one_clear_line(tiny_model):
+    out = CliRunner().invoke(main, ["worker", "--model", tiny_model, "--buckets", "64,x"])
+    assert out.exit_code != 0
+    assert "buckets must be comma-separated integers" in out.output
+    assert "Traceback" not in out.output
+
+
+def test_model_init_writes_a_from_pretrained_directory(tmp_path):
+    out = CliRunner().invoke(main, ["model", "init", str(tmp_path / "m")])
+    assert out.exit_code == 0, out.output
+    from transformers import AutoConfig, AutoTokenizer
+
+    assert AutoConfig.from_pretrained(tmp_path / "m").model_type == "llama"
+    tok = AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert tok.decode(tok("héllo").input_ids, skip_special_tokens=True) == "héllo"
+
+
+def test_demo_runs_end_to_end_and_forms_batches(redis_url, tmp_path):
+    out = tf("demo", "--requests", "12", "--max-new-tokens", "8",
+             env={"XDG_CACHE_HOME": str(tmp_path), "REDIS_URL": redis_url}, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    sizes = [int(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("batch size")]
+    assert sum(sizes) == 12 and max(sizes) > 1, out.stdout
+    assert out.stdout.count("TTFT") == 12
+
+
+def test_worker_process_serves_cli_submit_and_exits_0_on_sigterm(redis_url, prefix, tiny_model):
+    env = {"REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "tokenfleet", "worker", "--model", tiny_model, "--buckets", "32,64",
+         "--dtype", "float32", "--max-wait-ms", "10"],
+        env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        out = tf("submit", "--model", tiny_model, "--max-new-tokens", "6", "--json", "Hello", env=env)
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert len(result["token_ids"]) == 6 and result["finish_reason"] == "length"
+        replay = tf("result", result["id"], env=env)
+        assert json.loads(replay.stdout)["token_ids"] == result["token_ids"]
+    finally:
+        time.sleep(0.2)
+        worker.send_signal(signal.SIGTERM)
+        logs, _ = worker.communicate(timeout=60)
+    assert worker.returncode == 0, logs[-2000:]
+    assert "batch size 1" in logs
+
+
+def test_submit_without_redis_fails_with_one_line():
+    out = tf("submit", "--redis-url", "redis://127.0.0.1:1/0", "--timeout", "2", "hi")
+    assert out.returncode != 0
+    assert "Error:" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,167 @@
+"""The worker on a real Redis server with a real tiny model: concurrency over several buckets,
+exactly one terminal event per request, greedy equivalence, bad input, raw-Redis producers."""
+
+import asyncio
+import random
+import shutil
+import subprocess
+import threading
+
+import msgpack
+import pytest
+
+from tokenfleet import protocol
+from tokenfleet.config import DynamicBatchingConfig
+from tokenfleet.errors import RequestFailed
+from tokenfleet.producer import AsyncClient, Client
+from tokenfleet.protocol import GROUP, ErrorCode, Keys
+
+WORDS = "alpha beta gamma delta queue stream token fleet batch cache block worker redis".split()
+
+
+def mixed_prompts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 9))) for _ in range(n)]
+
+
+def reply_events(r, prefix, request_id):
+    return [protocol.decode_event(f) for _, f in r.xrange(Keys(prefix).reply_stream(request_id))]
+
+
+def assert_one_terminal(events):
+    kinds = [e["type"] for e in events]
+    assert kinds.count("done") + kinds.count("error") == 1 and kinds[-1] in ("done", "error"), kinds
+    tokens = [e for e in events if e["type"] == "token"]
+    assert [e["index"] for e in tokens] == list(range(len(tokens))), "gaps or duplicates in token indices"
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "continuous"])
+def test_concurrent_mixed_requests_over_buckets_match_generate(run_worker, redis_url, prefix, r, model_path,
+                                                              reference, mode):
+    batching = DynamicBatchingConfig(max_wait_ms=30, max_batch_size=8, max_seq_len=256, buckets=(16, 32, 64),
+                                     mode=mode)
+    prompts = mixed_prompts(24, seed=1)
+    with run_worker(batching) as running:
+        client = Client(redis_url, model=str(model_path), prefix=prefix)
+        results = {}
+
+        def submit_some(chunk):
+            handles = [(p, client.submit(p, max_new_tokens=12)) for p in chunk]
+            for p, h in handles:
+                results[h.id] = (p, h.result(timeout=120))
+
+        threads = [threading.Thread(target=submit_some, args=(prompts[i::4],)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(results) == len(prompts)
+    buckets_used = {running.worker.scheduler.batcher.bucket_for(len(reference.ids(p))) for p, _ in results.values()}
+    assert len(buckets_used) >= 2, "the workload should span several buckets"
+    for request_id, (prompt, res) in results.items():
+        assert res.token_ids == reference.greedy(reference.ids(prompt), 12), prompt
+        assert res.usage == {"prompt_tokens": len(reference.ids(prompt)), "completion_tokens": len(res.token_ids)}
+        assert_one_terminal(reply_events(r, prefix, request_id))
+    assert max(running.prefill_sizes) > 1, "concurrent requests were never batched"
+    # everything acknowledged: nothing left pending in any group
+    for bucket in batching.buckets:
+        assert r.xpending(Keys(prefix).request_stream(bucket), GROUP)["pending"] == 0
+
+
+def test_async_client_streams_and_result_replays_later(run_worker, redis_url, prefix, model_path, reference):
+    async def go():
+        async with AsyncClient(redis_url, model=str(model_path), prefix=prefix) as client:
+            handles = [await client.submit(p, max_new_tokens=8) for p in ("Hello", "a b c")]
+            streamed = [[c async for c in h.stream(timeout=60)] for h in handles]
+            later = [await client.result(h.id, timeout=5) for h in handles]
+            return handles, streamed, later
+
+    with run_worker():
+        handles, streamed, later = asyncio.run(go())
+    for prompt, chunks, res in zip(("Hello", "a b c"), streamed, later):
+        assert [t for c in chunks for t in c.token_ids] == res.token_ids == reference.greedy(reference.ids(prompt), 8)
+        assert "".join(c.text for c in chunks) == res.text
+    # a client that never submitted anything reads the same result from the request id alone
+    other = Client(redis_url, prefix=prefix)
+    assert other.result(handles[0].id, timeout=5).token_ids == later[0].token_ids
+
+
+def test_prompt_without_tokenizer_goes_through_auto_stream(run_worker, redis_url, prefix, r, reference):
+    with run_worker():
+        client = Client(redis_url, prefix=prefix)  # no model: cannot tokenize
+        handle = client.submit("route me please", max_new_tokens=6)
+        res = handle.result(timeout=60)
+    assert res.token_ids == reference.greedy(reference.ids("route me please"), 6)
+    assert r.xpending(Keys(prefix).auto_stream, GROUP)["pending"] == 0
+
+
+def test_bad_requests_get_errors_or_dead_letters_and_worker_keeps_serving(run_worker, redis_url, prefix, r,
+                                                                           model_path, reference):
+    keys = Keys(prefix)
+    stream = keys.request_stream(16)
+    with run_worker() as running:
+        client = Client(redis_url, model=str(model_path), prefix=prefix)
+        before = client.submit("before", max_new_tokens=4)
+        r.xadd(stream, {"m": msgpack.packb({"v": 1, "id": "wrongtype", "prompt": "hi", "max_new_tokens": "many"})})
+        r.xadd(stream, {"m": msgpack.packb({"v": 1, "id": "toolong", "input_ids": [5] * 200})})
+        r.xadd(stream, {"m": msgpack.packb({"v": 1, "id": "vocab", "input_ids": [0, 99999]})})
+        r.xadd(stream, {"m": msgpack.packb({"v": 1, "id": "overcap", "prompt": "hi", "max_new_tokens": 5000})})
+        r.xadd(stream, {"m": b"\x93\x01\x02"})  # msgpack, but a list
+        r.xadd(stream, {"m": b"\xc1garbage"})  # not msgpack at all
+        r.xadd(stream, {"m": msgpack.packb({"v": 99, "id": "future", "prompt": "hi"})})
+        r.xadd(keys.auto_stream, {"id": "autolong", "prompt": "x" * 500})
+        after = client.submit("after", max_new_tokens=4)
+        codes = {}
+        for rid in ("wrongtype", "toolong", "vocab", "overcap", "future", "autolong"):
+            with pytest.raises(RequestFailed) as info:
+                client.result(rid, timeout=30)
+            codes[rid] = info.value.code
+        assert after.result(timeout=60).token_ids == reference.greedy(reference.ids("after"), 4)
+        assert before.result(timeout=60).token_ids == reference.greedy(reference.ids("before"), 4)
+        assert running.thread.is_alive()
+    assert codes == {
+        "wrongtype": ErrorCode.INVALID_REQUEST,
+        "toolong": ErrorCode.PROMPT_TOO_LONG,
+        "vocab": ErrorCode.INVALID_REQUEST,
+        "overcap": ErrorCode.INVALID_REQUEST,
+        "future": ErrorCode.UNSUPPORTED_VERSION,
+        "autolong": ErrorCode.PROMPT_TOO_LONG,
+    }
+    dead = r.xrange(keys.dead_letter)
+    assert sorted(f[b"code"].decode() for _, f in dead) == ["undecodable", "undecodable", "unsupported_version"]
+    assert all(f[b"reason"] for _, f in dead)
+    assert r.xpending(stream, GROUP)["pending"] == 0
+    for rid in codes:
+        assert_one_terminal(reply_events(r, prefix, rid))
+
+
+def test_raw_redis_cli_producer_is_served(run_worker, redis_url, prefix, r, reference):
+    """Enqueue exactly as docs/PROTOCOL.md shows, with redis-cli (no tokenfleet code)."""
+    cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
+    if cli is None:
+        pytest.skip("redis-cli is not installed")
+    with run_worker():
+        subprocess.run(
+            [cli, "-u", redis_url, "XADD", f"{prefix}:req:auto", "*", "v", "1", "id", "cli-42",
+             "prompt", "Hello from the shell", "max_new_tokens", "5"],
+            check=True, capture_output=True,
+        )
+        out = subprocess.run(
+            [cli, "-u", redis_url, "XREAD", "BLOCK", "30000", "STREAMS", f"{prefix}:reply:cli-42", "0"],
+            check=True, capture_output=True,
+        )
+        assert b"token" in out.stdout
+        events = []
+        for _ in range(100):
+            events = reply_events(r, prefix, "cli-42")
+            if events and events[-1]["type"] == "done":
+                break
+            threading.Event().wait(0.1)
+    assert_one_terminal(events)
+    ids = [t for e in events if e["type"] == "token" for t in e["ids"]]
+    assert ids == reference.greedy(reference.ids("Hello from the shell"), 5)
+
+
+def test_worker_with_nothing_to_do_stops_promptly(run_worker):
+    with run_worker() as running:
+        assert running.thread.is_alive()
