@@ -14,8 +14,14 @@ from tokenfleet.cli import main
 
 
 def tf(*args, env=None, timeout=120, **kw):
-    return subprocess.run([sys.executable, "-m", "tokenfleet", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})}, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "tokenfleet", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("command", [[], ["worker"], ["submit"], ["demo"], ["model", "init"], ["result"]])
@@ -43,8 +49,15 @@ def test_model_init_writes_a_from_pretrained_directory(tmp_path):
 
 
 def test_demo_runs_end_to_end_and_forms_batches(redis_url, tmp_path):
-    out = tf("demo", "--requests", "12", "--max-new-tokens", "8",
-             env={"XDG_CACHE_HOME": str(tmp_path), "REDIS_URL": redis_url}, timeout=300)
+    out = tf(
+        "demo",
+        "--requests",
+        "12",
+        "--max-new-tokens",
+        "8",
+        env={"XDG_CACHE_HOME": str(tmp_path), "REDIS_URL": redis_url},
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     sizes = [int(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("batch size")]
     assert sum(sizes) == 12 and max(sizes) > 1, out.stdout
@@ -54,9 +67,24 @@ def test_demo_runs_end_to_end_and_forms_batches(redis_url, tmp_path):
 def test_worker_process_serves_cli_submit_and_exits_0_on_sigterm(redis_url, prefix, tiny_model):
     env = {"REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix}
     worker = subprocess.Popen(
-        [sys.executable, "-m", "tokenfleet", "worker", "--model", tiny_model, "--buckets", "32,64",
-         "--dtype", "float32", "--max-wait-ms", "10"],
-        env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "tokenfleet",
+            "worker",
+            "--model",
+            tiny_model,
+            "--buckets",
+            "32,64",
+            "--dtype",
+            "float32",
+            "--max-wait-ms",
+            "10",
+        ],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         out = tf("submit", "--model", tiny_model, "--max-new-tokens", "6", "--json", "Hello", env=env)

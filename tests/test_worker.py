@@ -16,7 +16,21 @@ from tokenfleet.errors import RequestFailed
 from tokenfleet.producer import AsyncClient, Client
 from tokenfleet.protocol import GROUP, ErrorCode, Keys
 
-WORDS = "alpha beta gamma delta queue stream token fleet batch cache block worker redis".split()
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "queue",
+    "stream",
+    "token",
+    "fleet",
+    "batch",
+    "cache",
+    "block",
+    "worker",
+    "redis",
+]
 
 
 def mixed_prompts(n: int, seed: int = 0) -> list[str]:
@@ -36,10 +50,12 @@ def assert_one_terminal(events):
 
 
 @pytest.mark.parametrize("mode", ["dynamic", "continuous"])
-def test_concurrent_mixed_requests_over_buckets_match_generate(run_worker, redis_url, prefix, r, model_path,
-                                                              reference, mode):
-    batching = DynamicBatchingConfig(max_wait_ms=30, max_batch_size=8, max_seq_len=256, buckets=(16, 32, 64),
-                                     mode=mode)
+def test_concurrent_mixed_requests_over_buckets_match_generate(
+    run_worker, redis_url, prefix, r, model_path, reference, mode
+):
+    batching = DynamicBatchingConfig(
+        max_wait_ms=30, max_batch_size=8, max_seq_len=256, buckets=(16, 32, 64), mode=mode
+    )
     prompts = mixed_prompts(24, seed=1)
     with run_worker(batching) as running:
         client = Client(redis_url, model=str(model_path), prefix=prefix)
@@ -56,11 +72,16 @@ def test_concurrent_mixed_requests_over_buckets_match_generate(run_worker, redis
         for t in threads:
             t.join()
     assert len(results) == len(prompts)
-    buckets_used = {running.worker.scheduler.batcher.bucket_for(len(reference.ids(p))) for p, _ in results.values()}
+    buckets_used = {
+        running.worker.scheduler.batcher.bucket_for(len(reference.ids(p))) for p, _ in results.values()
+    }
     assert len(buckets_used) >= 2, "the workload should span several buckets"
     for request_id, (prompt, res) in results.items():
         assert res.token_ids == reference.greedy(reference.ids(prompt), 12), prompt
-        assert res.usage == {"prompt_tokens": len(reference.ids(prompt)), "completion_tokens": len(res.token_ids)}
+        assert res.usage == {
+            "prompt_tokens": len(reference.ids(prompt)),
+            "completion_tokens": len(res.token_ids),
+        }
         assert_one_terminal(reply_events(r, prefix, request_id))
     assert max(running.prefill_sizes) > 1, "concurrent requests were never batched"
     # everything acknowledged: nothing left pending in any group
@@ -72,14 +93,20 @@ def test_async_client_streams_and_result_replays_later(run_worker, redis_url, pr
     async def go():
         async with AsyncClient(redis_url, model=str(model_path), prefix=prefix) as client:
             handles = [await client.submit(p, max_new_tokens=8) for p in ("Hello", "a b c")]
-            streamed = [[c async for c in h.stream(timeout=60)] for h in handles]
+            streamed = []
+            for h in handles:
+                streamed.append([c async for c in h.stream(timeout=60)])
             later = [await client.result(h.id, timeout=5) for h in handles]
             return handles, streamed, later
 
     with run_worker():
         handles, streamed, later = asyncio.run(go())
     for prompt, chunks, res in zip(("Hello", "a b c"), streamed, later):
-        assert [t for c in chunks for t in c.token_ids] == res.token_ids == reference.greedy(reference.ids(prompt), 8)
+        assert (
+            [t for c in chunks for t in c.token_ids]
+            == res.token_ids
+            == reference.greedy(reference.ids(prompt), 8)
+        )
         assert "".join(c.text for c in chunks) == res.text
     # a client that never submitted anything reads the same result from the request id alone
     other = Client(redis_url, prefix=prefix)
@@ -95,17 +122,23 @@ def test_prompt_without_tokenizer_goes_through_auto_stream(run_worker, redis_url
     assert r.xpending(Keys(prefix).auto_stream, GROUP)["pending"] == 0
 
 
-def test_bad_requests_get_errors_or_dead_letters_and_worker_keeps_serving(run_worker, redis_url, prefix, r,
-                                                                           model_path, reference):
+def test_bad_requests_get_errors_or_dead_letters_and_worker_keeps_serving(
+    run_worker, redis_url, prefix, r, model_path, reference
+):
     keys = Keys(prefix)
     stream = keys.request_stream(16)
     with run_worker() as running:
         client = Client(redis_url, model=str(model_path), prefix=prefix)
         before = client.submit("before", max_new_tokens=4)
-        r.xadd(stream, {"m": msgpack.packb({"v": 1, "id": "wrongtype", "prompt": "hi", "max_new_tokens": "many"})})
+        r.xadd(
+            stream,
+            {"m": msgpack.packb({"v": 1, "id": "wrongtype", "prompt": "hi", "max_new_tokens": "many"})},
+        )
         r.xadd(stream, {"m": msgpack.packb({"v": 1, "id": "toolong", "input_ids": [5] * 200})})
         r.xadd(stream, {"m": msgpack.packb({"v": 1, "id": "vocab", "input_ids": [0, 99999]})})
-        r.xadd(stream, {"m": msgpack.packb({"v": 1, "id": "overcap", "prompt": "hi", "max_new_tokens": 5000})})
+        r.xadd(
+            stream, {"m": msgpack.packb({"v": 1, "id": "overcap", "prompt": "hi", "max_new_tokens": 5000})}
+        )
         r.xadd(stream, {"m": b"\x93\x01\x02"})  # msgpack, but a list
         r.xadd(stream, {"m": b"\xc1garbage"})  # not msgpack at all
         r.xadd(stream, {"m": msgpack.packb({"v": 99, "id": "future", "prompt": "hi"})})
@@ -128,7 +161,11 @@ def test_bad_requests_get_errors_or_dead_letters_and_worker_keeps_serving(run_wo
         "autolong": ErrorCode.PROMPT_TOO_LONG,
     }
     dead = r.xrange(keys.dead_letter)
-    assert sorted(f[b"code"].decode() for _, f in dead) == ["undecodable", "undecodable", "unsupported_version"]
+    assert sorted(f[b"code"].decode() for _, f in dead) == [
+        "undecodable",
+        "undecodable",
+        "unsupported_version",
+    ]
     assert all(f[b"reason"] for _, f in dead)
     assert r.xpending(stream, GROUP)["pending"] == 0
     for rid in codes:
@@ -142,13 +179,29 @@ def test_raw_redis_cli_producer_is_served(run_worker, redis_url, prefix, r, refe
         pytest.skip("redis-cli is not installed")
     with run_worker():
         subprocess.run(
-            [cli, "-u", redis_url, "XADD", f"{prefix}:req:auto", "*", "v", "1", "id", "cli-42",
-             "prompt", "Hello from the shell", "max_new_tokens", "5"],
-            check=True, capture_output=True,
+            [
+                cli,
+                "-u",
+                redis_url,
+                "XADD",
+                f"{prefix}:req:auto",
+                "*",
+                "v",
+                "1",
+                "id",
+                "cli-42",
+                "prompt",
+                "Hello from the shell",
+                "max_new_tokens",
+                "5",
+            ],
+            check=True,
+            capture_output=True,
         )
         out = subprocess.run(
             [cli, "-u", redis_url, "XREAD", "BLOCK", "30000", "STREAMS", f"{prefix}:reply:cli-42", "0"],
-            check=True, capture_output=True,
+            check=True,
+            capture_output=True,
         )
         assert b"token" in out.stdout
         events = []

@@ -55,7 +55,7 @@ class DynamicBatchingConfig:
     max_seq_len: int = 2048
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     padding: str = "bucket"
-    mode: str = "dynamic"
+    mode: str = "continuous"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_wait_ms, (int, float)) and self.max_wait_ms >= 0):

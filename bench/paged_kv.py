@@ -1,0 +1,140 @@
+"""Paged KV cache benchmark: memory against a contiguous cache, continuous against dynamic batching.
+
+Runs one mixed-length workload (prompt and output lengths drawn from a seeded RNG) through the
+engine and scheduler in-process, once per mode, side by side in one run, and prints one JSON
+line per mode plus a summary line with the ratios. Never run as a test.
+
+    python -m bench.paged_kv                       # builds the tiny model in a temp dir
+    python -m bench.paged_kv --model DIR --requests 64 --max-batch-size 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+
+from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
+from tokenfleet.protocol import Request
+from tokenfleet.worker.engine import Engine
+from tokenfleet.worker.scheduler import Scheduler
+from tokenfleet.worker.sequence import SeqState
+
+
+def workload(n: int, seed: int, max_prompt: int, max_new: int, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        (
+            [0] + [rng.randrange(3, vocab) for _ in range(rng.randint(4, max_prompt - 1))],
+            rng.randint(8, max_new),
+        )
+        for _ in range(n)
+    ]
+
+
+def run_mode(engine: Engine, mode: str, jobs, args) -> dict:
+    cfg = DynamicBatchingConfig(
+        max_wait_ms=0,
+        max_batch_size=args.max_batch_size,
+        max_seq_len=args.max_seq_len,
+        buckets=(args.max_prompt,),
+        mode=mode,
+    )
+    sched = Scheduler(engine, cfg)
+    seqs = []
+    for i, (ids, new) in enumerate(jobs):
+        req = Request(id=f"{mode}-{i}", input_ids=tuple(ids), max_new_tokens=new, ignore_eos=True)
+        seq = SeqState(
+            key=req.id,
+            request=req,
+            prompt_ids=ids,
+            tokenizer=engine.tokenizer,
+            eos_ids=engine.eos_token_ids,
+            enqueued_wall=time.time(),
+        )
+        assert sched.add(seq, time.monotonic()) is None
+        seqs.append(seq)
+    peak_blocks = peak_tokens = steps = 0
+    generated = 0
+    start = time.perf_counter()
+    while generated < sum(new for _, new in jobs):
+        outputs = sched.step()
+        generated += len(outputs)
+        steps += 1
+        stats = engine.memory_stats()
+        if stats.blocks_used > peak_blocks:
+            peak_blocks, peak_tokens = stats.blocks_used, stats.tokens_stored
+    wall = time.perf_counter() - start
+    engine.allocator.check_integrity()
+    stats = engine.memory_stats()
+    contiguous_max = stats.contiguous_bytes(args.max_batch_size, args.max_seq_len)
+    longest = max(len(ids) + new for ids, new in jobs)
+    contiguous_workload = stats.contiguous_bytes(args.max_batch_size, longest)
+    paged = peak_blocks * engine.bytes_per_block
+    return {
+        "mode": mode,
+        "requests": len(jobs),
+        "generated_tokens": generated,
+        "steps": steps,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(generated / wall, 1),
+        "preemptions": sched.preemptions,
+        "kv_peak_blocks": peak_blocks,
+        "kv_peak_tokens_stored": peak_tokens,
+        "kv_peak_slots_allocated": peak_blocks * engine.block_size,
+        "kv_paged_peak_bytes": paged,
+        "kv_contiguous_max_seq_len_bytes": contiguous_max,
+        "kv_contiguous_longest_request_bytes": contiguous_workload,
+        "paged_vs_contiguous_max": round(paged / contiguous_max, 3),
+        "paged_vs_contiguous_longest": round(paged / contiguous_workload, 3),
+        "mean_decode_batch": round(sum(s.mean_batch_size for s in seqs) / len(seqs), 2),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="local HF model dir (default: build the tiny model in a temp dir)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--max-prompt", type=int, default=128)
+    p.add_argument("--max-new", type=int, default=96)
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default="dynamic,continuous")
+    args = p.parse_args()
+
+    model = args.model
+    if model is None:
+        from tokenfleet.models import init_model
+
+        model = str(init_model(tempfile.mkdtemp(prefix="tokenfleet-bench-") + "/tiny", "tiny"))
+    engine = Engine(
+        model, device="cpu", dtype=args.dtype, kv=KVCacheConfig(block_size=args.block_size, num_blocks=4096)
+    )
+    jobs = workload(args.requests, args.seed, args.max_prompt, args.max_new, engine.vocab_size)
+    run_mode(engine, "dynamic", jobs[:4], args)  # warm-up: first-call allocations, thread pools
+    rows = [run_mode(engine, mode, jobs, args) for mode in args.modes.split(",")]
+    for row in rows:
+        print(json.dumps(row))
+    by_mode = {row["mode"]: row for row in rows}
+    if {"dynamic", "continuous"} <= by_mode.keys():
+        print(
+            json.dumps(
+                {
+                    "summary": "continuous_vs_dynamic",
+                    "throughput_ratio": round(
+                        by_mode["continuous"]["tokens_per_s"] / by_mode["dynamic"]["tokens_per_s"], 3
+                    ),
+                    "paged_peak_vs_contiguous_max": by_mode["continuous"]["paged_vs_contiguous_max"],
+                    "paged_peak_vs_contiguous_longest": by_mode["continuous"]["paged_vs_contiguous_longest"],
+                }
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
