@@ -138,7 +138,29 @@ class Worker:
             outputs = []
         self._publish(outputs)
         self.outbox.flush()
+        if outputs and not self._holds_work():
+            self._log_memory()
         self._heartbeat()
+
+    def _log_memory(self) -> None:
+        """Once a burst of work is done: how full the KV pool got, next to what a contiguous cache
+        preallocated for max_batch_size x max_seq_len would have reserved."""
+        peak, b = self.scheduler.peak, self.config.batching
+        mib = 2**20
+        log.info(
+            "KV pool peak: %d/%d blocks used (%d free), %d tokens stored in %d slots; %.1f MiB vs %.1f MiB "
+            "for a contiguous %dx%d cache",
+            peak.blocks_used,
+            peak.blocks_total,
+            peak.blocks_free,
+            peak.tokens_stored,
+            peak.slots_allocated,
+            peak.bytes_used / mib,
+            peak.contiguous_bytes(b.max_batch_size, b.max_seq_len) / mib,
+            b.max_batch_size,
+            b.max_seq_len,
+        )
+        self.scheduler.reset_peak()
 
     def _block_ms(self) -> int | None:
         """How long the read may wait: not at all while a batch runs; until the next batch is

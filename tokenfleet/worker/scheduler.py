@@ -64,6 +64,7 @@ class Scheduler:
         self.preempted: deque[SeqState] = deque()
         self.on_batch = on_batch
         self.preemptions = 0
+        self.peak = engine.memory_stats()  # pool use at its fullest since the last reset_peak()
 
     # -- intake ---------------------------------------------------------------------------------
 
@@ -98,6 +99,15 @@ class Scheduler:
     def step(self, flush: bool = False) -> list[StepOutput]:
         """Run one forward pass if any is due; returns the tokens it produced. ``flush`` starts
         waiting requests without waiting for their batch to be due (shutdown)."""
+        outputs = self._step(flush)
+        if self.engine.allocator.num_used_blocks > self.peak.blocks_used:
+            self.peak = self.engine.memory_stats()
+        return outputs
+
+    def reset_peak(self) -> None:
+        self.peak = self.engine.memory_stats()
+
+    def _step(self, flush: bool) -> list[StepOutput]:
         if self.running and self.config.mode == "continuous":
             joiners = self._joiners(self.config.max_batch_size - len(self.running))
             if joiners:
