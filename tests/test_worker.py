@@ -218,3 +218,29 @@ def test_raw_redis_cli_producer_is_served(run_worker, redis_url, prefix, r, refe
 def test_worker_with_nothing_to_do_stops_promptly(run_worker):
     with run_worker() as running:
         assert running.thread.is_alive()
+
+
+def test_worker_survives_its_streams_being_deleted(run_worker, redis_url, prefix, r, model_path, reference):
+    keys = Keys(prefix)
+    with run_worker() as running:
+        client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 32, 64])
+        assert client.submit("one", max_new_tokens=3).result(timeout=60).token_ids
+        r.delete(*[keys.request_stream(b) for b in (16, 32, 64)], keys.auto_stream)
+        threading.Event().wait(0.3)
+        res = client.submit("two", max_new_tokens=3).result(timeout=60)
+        assert res.token_ids == reference.greedy(reference.ids("two"), 3)
+        assert running.thread.is_alive()
+
+
+def test_reply_key_of_the_wrong_type_does_not_wedge_the_worker(
+    run_worker, redis_url, prefix, r, model_path, reference
+):
+    keys = Keys(prefix)
+    r.set(keys.reply_stream("squatted"), "not a stream")
+    with run_worker() as running:
+        client = Client(redis_url, model=str(model_path), prefix=prefix)
+        client.submit("hi", request_id="squatted", max_new_tokens=3)
+        res = client.submit("after", max_new_tokens=3).result(timeout=60)
+        assert res.token_ids == reference.greedy(reference.ids("after"), 3)
+        assert running.thread.is_alive()
+    assert r.xpending(keys.request_stream(16), GROUP)["pending"] == 0

@@ -102,6 +102,13 @@ class Worker:
                     log.warning("redis unavailable (%s); retrying in %.1fs", e, backoff)
                     time.sleep(backoff)
                     backoff = min(backoff * 2, BACKOFF_MAX_S)
+                except redis.ResponseError as e:
+                    # e.g. a request stream or its group deleted under us (NOGROUP, or a blocked
+                    # read unblocked because the key vanished): recreate the groups and go on
+                    log.warning("redis refused a command (%s); re-creating groups in %.1fs", e, backoff)
+                    self.setup_done = False
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, BACKOFF_MAX_S)
         finally:
             self._teardown()
 
@@ -118,8 +125,12 @@ class Worker:
 
     # -- one turn of the loop -------------------------------------------------------------------
 
+    def _flush(self) -> None:
+        for error in self.outbox.flush():
+            log.error("redis refused a reply write: %s", error)
+
     def _turn(self) -> None:
-        self.outbox.flush()  # anything a failed round trip left behind goes first
+        self._flush()  # anything a failed round trip left behind goes first
         if not self.stopping:
             self._intake()
         try:
@@ -137,7 +148,7 @@ class Worker:
                 self.outbox.ack(*seq.key)
             outputs = []
         self._publish(outputs)
-        self.outbox.flush()
+        self._flush()
         if outputs and not self._holds_work():
             self._log_memory()
         self._heartbeat()

@@ -143,12 +143,16 @@ class Outbox:
         self._add("xadd", to_stream, fields)
         self.ack(entry.stream, entry.entry_id)
 
-    def flush(self) -> None:
-        """Send everything queued in one MULTI/EXEC; on a connection error keep it for a retry."""
+    def flush(self) -> list[Exception]:
+        """Send everything queued in one MULTI/EXEC. On a connection error nothing was applied and
+        everything stays queued for a retry; a command Redis refused (e.g. a reply key that a
+        client overwrote with another type) is returned, not retried: the rest of the transaction
+        was applied."""
         if not self._commands:
-            return
+            return []
         pipe = self.client.pipeline(transaction=True)
         for name, args, kwargs in self._commands:
             getattr(pipe, name)(*args, **kwargs)
-        pipe.execute()
+        results = pipe.execute(raise_on_error=False)
         self._commands.clear()
+        return [r for r in results if isinstance(r, Exception)]
