@@ -10,10 +10,9 @@ import redis.asyncio as aioredis
 
 from tokenfleet import protocol
 from tokenfleet.config import prefix_from_env, redis_url_from_env
-from tokenfleet.errors import ResultTimeout
-from tokenfleet.producer.client import BUCKETS_TTL_S, READ_BLOCK_MS
+from tokenfleet.producer.client import BUCKETS_TTL_S
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
-from tokenfleet.producer.routing import build_request, load_tokenizer, target_stream
+from tokenfleet.producer.routing import build_request, load_tokenizer, next_block_ms, target_stream
 from tokenfleet.protocol import TERMINAL_EVENTS, Keys
 
 
@@ -61,12 +60,7 @@ class AsyncClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         last = "0"
         while True:
-            block = READ_BLOCK_MS
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ResultTimeout(f"no terminal event for request {request_id} within {timeout}s")
-                block = max(1, min(block, int(left * 1000)))
+            block = next_block_ms(request_id, deadline, timeout)
             resp = await self.redis.xread({key: last}, block=block)
             for _, items in resp or []:
                 for entry_id, fields in items:

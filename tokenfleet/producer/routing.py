@@ -6,11 +6,15 @@ model's ``tokenizer.json`` (no transformers, no torch, no weights).
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+from tokenfleet.errors import ResultTimeout
 from tokenfleet.protocol import Keys, Request
+
+READ_BLOCK_MS = 1000  # longest single XREAD wait while following a reply stream
 
 
 def load_tokenizer(model: str | None) -> Any | None:
@@ -67,3 +71,14 @@ def target_stream(keys: Keys, request: Request, buckets: list[int]) -> str:
         if n <= bucket:
             return keys.request_stream(bucket)
     return keys.request_stream(max(buckets))
+
+
+def next_block_ms(request_id: str, deadline: float | None, timeout: float | None) -> int:
+    """How long the next XREAD on a reply stream may block; raises :class:`ResultTimeout` once
+    ``deadline`` (a ``time.monotonic()`` value) has passed."""
+    if deadline is None:
+        return READ_BLOCK_MS
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise ResultTimeout(f"no terminal event for request {request_id} within {timeout}s")
+    return max(1, min(READ_BLOCK_MS, int(left * 1000)))
