@@ -24,7 +24,9 @@ def tf(*args, env=None, timeout=120, **kw):
     )
 
 
-@pytest.mark.parametrize("command", [[], ["worker"], ["submit"], ["demo"], ["model", "init"], ["result"]])
+@pytest.mark.parametrize(
+    "command", [[], ["worker"], ["submit"], ["demo"], ["model", "init"], ["result"], ["cancel"]]
+)
 def test_help_explains_every_command(command):
     out = CliRunner().invoke(main, [*command, "--help"])
     assert out.exit_code == 0
@@ -93,6 +95,13 @@ def test_worker_process_serves_cli_submit_and_exits_0_on_sigterm(redis_url, pref
         assert len(result["token_ids"]) == 6 and result["finish_reason"] == "length"
         replay = tf("result", result["id"], env=env)
         assert json.loads(replay.stdout)["token_ids"] == result["token_ids"]
+        from tokenfleet.producer import Client
+
+        client = Client(redis_url, model=tiny_model, prefix=prefix)
+        long = client.submit("go on and on", max_new_tokens=2000, ignore_eos=True)
+        next(iter(long.stream(timeout=60)))
+        assert tf("cancel", long.id, env=env).returncode == 0
+        assert client.result(long.id, timeout=30).finish_reason == "cancelled"
     finally:
         time.sleep(0.2)
         worker.send_signal(signal.SIGTERM)

@@ -155,6 +155,32 @@ def model_init(directory: str, size: str, seed: int) -> None:
     show_default=True,
     help="Largest max_new_tokens a request may ask for.",
 )
+@click.option(
+    "--claim-idle-ms",
+    type=int,
+    default=30_000,
+    show_default=True,
+    help="Take over requests another worker has left idle this long (it died).",
+)
+@click.option(
+    "--max-attempts",
+    type=int,
+    default=3,
+    show_default=True,
+    help="Deliveries of one request before it is dead-lettered.",
+)
+@click.option(
+    "--queue-timeout-s",
+    type=float,
+    default=None,
+    help="Fail requests that waited longer than this before starting (deadline_exceeded).",
+)
+@click.option(
+    "--max-queue",
+    type=int,
+    default=None,
+    help="Undelivered requests a bucket may hold; producers then get QueueFull.",
+)
 @click.option("--threads", type=int, default=None, help="torch intra-op threads (CPU).")
 @click.option("--name", default=None, help="Consumer name (default: host-pid-random).")
 @click.option(
@@ -179,6 +205,10 @@ def worker(
     num_blocks,
     kv_cache_memory,
     max_new_tokens_cap,
+    claim_idle_ms,
+    max_attempts,
+    queue_timeout_s,
+    max_queue,
     threads,
     name,
     log_level,
@@ -208,6 +238,10 @@ def worker(
             name=name,
             max_new_tokens_cap=max_new_tokens_cap,
             threads=threads,
+            claim_idle_ms=claim_idle_ms,
+            max_attempts=max_attempts,
+            queue_timeout_s=queue_timeout_s,
+            max_queue=max_queue,
         )
     except ValueError as e:
         _fail(str(e))
@@ -306,6 +340,20 @@ def result(request_id, redis_url, prefix, timeout) -> None:
             click.echo(json.dumps(client.result(request_id, timeout=timeout).__dict__))
     except TokenfleetError as e:
         _fail(str(e))
+
+
+@main.command()
+@click.argument("request_id")
+@redis_url_option
+@prefix_option
+def cancel(request_id: str, redis_url: str | None, prefix: str | None) -> None:
+    """Cancel REQUEST_ID: a queued request never starts, a running one stops within one step."""
+    try:
+        with _client(redis_url, None, prefix) as client:
+            client.cancel(request_id)
+    except Exception as e:  # redis errors: one line, no traceback
+        _fail(f"{type(e).__name__}: {e}")
+    click.echo(f"cancelled {request_id}")
 
 
 @main.command()

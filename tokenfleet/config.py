@@ -147,8 +147,20 @@ class WorkerConfig:
     name: str | None = None
     max_new_tokens_cap: int = 4096
     threads: int | None = None
+    claim_idle_ms: int = 30_000  # an entry idle this long belongs to a dead worker
+    max_attempts: int = 3  # deliveries before an entry is dead-lettered
+    queue_timeout_s: float | None = None  # server-side bound on waiting before the start
+    max_queue: int | None = None  # undelivered entries a bucket stream may hold (producers check)
 
     def __post_init__(self) -> None:
+        if self.claim_idle_ms < 100:
+            raise ValueError(f"claim_idle_ms must be >= 100, got {self.claim_idle_ms!r}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts!r}")
+        if self.queue_timeout_s is not None and self.queue_timeout_s <= 0:
+            raise ValueError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s!r}")
+        if self.max_queue is not None and self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_new_tokens_cap < 1:

@@ -92,6 +92,15 @@ class Keys:
         """Stream of entries that could not be decoded or failed too many times, with the reason."""
         return f"{self.prefix}:dead"
 
+    def cancel(self, request_id: str) -> str:
+        """Exists (any value, with a TTL) when a request is cancelled; workers check it every step."""
+        return f"{self.prefix}:cancel:{request_id}"
+
+    @property
+    def max_queue(self) -> str:
+        """Hash of bucket -> most entries that may wait undelivered on its stream (backpressure)."""
+        return f"{self.prefix}:max_queue"
+
     @property
     def buckets(self) -> str:
         """Set of bucket sizes that live workers serve; producers route by it."""
@@ -373,6 +382,23 @@ class EventType:
 
 
 TERMINAL_EVENTS = (EventType.DONE, EventType.ERROR)
+
+TERMINAL_EVENT_ID = "1-0"
+"""Stream id of every terminal event. Reply events carry explicit ids (token ``i`` is ``0-{i+1}``)
+so that Redis itself refuses a second copy of any event: a retried write, a redelivered request
+or a second worker racing on the same request can never duplicate a token or a terminal event."""
+
+
+def event_id(event: dict[str, Any]) -> str:
+    """The reply-stream id an event must be written at (see :data:`TERMINAL_EVENT_ID`)."""
+    if event["type"] == EventType.TOKEN:
+        return f"0-{event['index'] + 1}"
+    return TERMINAL_EVENT_ID
+
+
+def is_duplicate_event_error(error: Exception) -> bool:
+    """Whether Redis refused an XADD because that event id is already on the stream."""
+    return "equal or smaller than the target stream top item" in str(error)
 
 
 def token_event(index: int, token_ids: list[int], text: str) -> dict[str, Any]:

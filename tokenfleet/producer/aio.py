@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from tokenfleet import protocol
 from tokenfleet.config import prefix_from_env, redis_url_from_env
-from tokenfleet.producer.client import BUCKETS_TTL_S
+from tokenfleet.producer.client import BUCKETS_TTL_S, CANCEL_TTL_S
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
 from tokenfleet.producer.routing import build_request, load_tokenizer, next_block_ms, target_stream
 from tokenfleet.protocol import TERMINAL_EVENTS, Keys
@@ -83,6 +83,11 @@ class AsyncClient:
             builder.add(event)
         return builder.result
 
+    async def cancel(self, request_id: str) -> None:
+        """Cancel a request: if queued it never starts; if running it stops within one step and
+        ends with ``done`` / finish reason ``cancelled``. Harmless on a finished request."""
+        await self.redis.set(self.keys.cancel(request_id), 1, ex=CANCEL_TTL_S)
+
     async def close(self) -> None:
         await self.redis.aclose()
 
@@ -106,6 +111,9 @@ class AsyncHandle:
 
     async def result(self, timeout: float | None = None) -> Result:
         return await self.client.result(self.id, timeout)
+
+    async def cancel(self) -> None:
+        await self.client.cancel(self.id)
 
     def __repr__(self) -> str:
         return f"AsyncHandle({self.id!r})"

@@ -15,6 +15,7 @@ from tokenfleet.producer.routing import build_request, load_tokenizer, next_bloc
 from tokenfleet.protocol import TERMINAL_EVENTS, Keys
 
 BUCKETS_TTL_S = 10.0
+CANCEL_TTL_S = 24 * 3600  # long enough for a queued request to be seen
 
 
 class Client:
@@ -100,6 +101,11 @@ class Client:
             builder.add(event)
         return builder.result
 
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request: if queued it never starts; if running it stops within one step and
+        ends with ``done`` / finish reason ``cancelled``. Harmless on a finished request."""
+        self.redis.set(self.keys.cancel(request_id), 1, ex=CANCEL_TTL_S)
+
     def close(self) -> None:
         self.redis.close()
 
@@ -125,6 +131,9 @@ class Handle:
 
     def result(self, timeout: float | None = None) -> Result:
         return self.client.result(self.id, timeout)
+
+    def cancel(self) -> None:
+        self.client.cancel(self.id)
 
     def __repr__(self) -> str:
         return f"Handle({self.id!r})"

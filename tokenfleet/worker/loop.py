@@ -24,6 +24,7 @@ from tokenfleet.config import WorkerConfig
 from tokenfleet.errors import ProtocolError
 from tokenfleet.protocol import ErrorCode, Keys
 from tokenfleet.worker.engine import Engine
+from tokenfleet.worker.recovery import Reclaimer, read_progress
 from tokenfleet.worker.scheduler import BatchEvent, Scheduler, StepOutput
 from tokenfleet.worker.sequence import SeqState
 from tokenfleet.worker.streams import Entry, Outbox, StreamReader
@@ -57,6 +58,7 @@ class Worker:
         streams = [self.keys.request_stream(b) for b in config.batching.buckets] + [self.keys.auto_stream]
         self.reader = StreamReader(self.client, streams, self.name)
         self.outbox = Outbox(self.client, self.keys)
+        self.reclaimer = Reclaimer(self.client, streams, self.name, config.claim_idle_ms)
         self._stop = threading.Event()
         self._user_on_batch = on_batch
         self._last_heartbeat = 0.0
@@ -133,6 +135,7 @@ class Worker:
         self._flush()  # anything a failed round trip left behind goes first
         if not self.stopping:
             self._intake()
+        self._enforce_cancels_and_deadlines()
         try:
             outputs = self.scheduler.step(flush=self.stopping)
         except Exception as e:  # a failed forward pass fails its sequences, never the worker
@@ -140,17 +143,13 @@ class Worker:
             for seq in self.scheduler.drop(
                 lambda s: s in self.scheduler.running or s in self.scheduler.preempted
             ):
-                self.outbox.event(
-                    seq.request.id,
-                    protocol.error_event(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"),
-                    seq.request.reply_ttl_s,
-                )
-                self.outbox.ack(*seq.key)
+                self._finish_error(seq, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
             outputs = []
         self._publish(outputs)
         self._flush()
         if outputs and not self._holds_work():
             self._log_memory()
+        self.reclaimer.touch(seq.key for seq in self.scheduler.held())
         self._heartbeat()
 
     def _log_memory(self) -> None:
@@ -192,9 +191,24 @@ class Worker:
             block = None  # a batch is due now: take what is already there without waiting
         for entry in self.reader.read(room, block):
             self._accept(entry)
+        room = self.config.batching.max_batch_size - self.scheduler.num_waiting
+        for claimed in self.reclaimer.claim(room):
+            if claimed.deliveries > self.config.max_attempts:
+                self._refuse(
+                    claimed.entry,
+                    ProtocolError(
+                        ErrorCode.TOO_MANY_ATTEMPTS,
+                        f"delivered {claimed.deliveries} times without finishing (max_attempts "
+                        f"{self.config.max_attempts})",
+                        dead_letter=True,
+                    ),
+                )
+            else:
+                self._accept(claimed.entry, redelivered=True)
 
-    def _accept(self, entry: Entry) -> None:
-        """Decode, validate and queue one entry; anything wrong is answered or dead-lettered."""
+    def _accept(self, entry: Entry, redelivered: bool = False) -> None:
+        """Decode, validate and queue one entry; anything wrong is answered or dead-lettered. A
+        redelivered entry resumes from the tokens its reply stream already holds."""
         try:
             request = protocol.decode_request(entry.fields)
         except ProtocolError as e:
@@ -207,6 +221,21 @@ class Worker:
             seq = self._sequence(entry, request)
         except ProtocolError as e:
             self._refuse(entry, e)
+            return
+        if redelivered:
+            progress = read_progress(self.client, self.keys, request.id)
+            if progress.finished:  # an earlier attempt ended it; only its acknowledgement was lost
+                self.outbox.ack(entry.stream, entry.entry_id)
+                return
+            seq.resume(progress.token_ids, progress.texts)
+            if seq.finished:
+                self._finish(seq)
+                return
+            log.info("resuming request %s after %d streamed tokens", request.id, len(progress.token_ids))
+        if self._expired(seq, time.time()):
+            self._finish_error(
+                seq, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the request started"
+            )
             return
         now_wall, now = time.time(), time.monotonic()
         # the max_wait_ms window counts from when Redis accepted the request, not from our read
@@ -295,6 +324,38 @@ class Worker:
         self.outbox.event(req.id, done, req.reply_ttl_s)
         self.outbox.ack(*seq.key)
         self.requests_finished += 1
+
+    def _finish_error(self, seq: SeqState, code: str, message: str) -> None:
+        self.outbox.event(seq.request.id, protocol.error_event(code, message), seq.request.reply_ttl_s)
+        self.outbox.ack(*seq.key)
+
+    def _expired(self, seq: SeqState, now_wall: float) -> bool:
+        deadline = seq.request.deadline_ms
+        if deadline is not None and deadline <= now_wall * 1000:
+            return True
+        timeout = self.config.queue_timeout_s
+        return timeout is not None and seq.started is None and now_wall - seq.enqueued_wall > timeout
+
+    def _enforce_cancels_and_deadlines(self) -> None:
+        """Stop what was cancelled (done, finish reason ``cancelled``) or ran out of time
+        (``deadline_exceeded``), running or not, before the next step: blocks are freed at once
+        and a waiting request never starts."""
+        held = self.scheduler.held()
+        if not held:
+            return
+        flags = self.client.mget([self.keys.cancel(seq.request.id) for seq in held])
+        cancelled = {seq.key for seq, flag in zip(held, flags) if flag is not None}
+        now = time.time()
+        expired = {seq.key for seq in held if seq.key not in cancelled and self._expired(seq, now)}
+        if not cancelled and not expired:
+            return
+        for seq in self.scheduler.drop(lambda s: s.key in cancelled or s.key in expired):
+            if seq.key in cancelled:
+                seq.finish_reason = protocol.FinishReason.CANCELLED
+                self._finish(seq)
+            else:
+                where = "while running" if seq.started else "before the request started"
+                self._finish_error(seq, ErrorCode.DEADLINE_EXCEEDED, f"the deadline passed {where}")
 
     def _on_batch(self, event: BatchEvent) -> None:
         if event.kind == "prefill":

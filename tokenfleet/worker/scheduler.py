@@ -80,6 +80,10 @@ class Scheduler:
             )
         return self.batcher.add(PendingRequest(seq.key, prompt_len, max_new, arrived, payload=seq))
 
+    def held(self) -> list[SeqState]:
+        """Every sequence this scheduler holds: running, preempted and waiting."""
+        return [*self.running, *self.preempted, *(item.payload for item in self.batcher.pending())]
+
     @property
     def num_waiting(self) -> int:
         """Read from Redis, not yet started (the no-hoarding bound applies to this)."""

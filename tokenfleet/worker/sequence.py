@@ -121,6 +121,18 @@ class SeqState:
         self.text = self.text[: min(hits)]
         return True
 
+    def resume(self, token_ids: list[int], sent_texts: list[str]) -> None:
+        """Continue after an earlier attempt that streamed ``token_ids`` (and ``sent_texts``):
+        they become generated tokens, recomputed with the prompt at the next prefill, and the
+        text already sent is not sent again."""
+        for token_id in token_ids:
+            self.generated.append(token_id)
+            self.text += self.detok.push(token_id)
+        self.sent_text_len = min(len(self.text), sum(len(t) for t in sent_texts))
+        self.resumed_tokens = len(token_ids)
+        if len(self.generated) >= self.request.max_new_tokens:
+            self.finish_reason = FinishReason.LENGTH
+
     def take_text_delta(self) -> str:
         """Text that is safe to send now: all of it when finished, otherwise all but a tail that
         could still turn out to start a stop string."""

@@ -114,9 +114,10 @@ class Outbox:
         self._commands.append((name, args, kwargs))
 
     def event(self, request_id: str, event: dict, ttl_s: int | None = None) -> None:
-        """Append a reply event; ``ttl_s`` (re)sets the reply stream's expiry."""
+        """Append a reply event at its fixed id (a copy already there is refused by Redis);
+        ``ttl_s`` (re)sets the reply stream's expiry."""
         key = self.keys.reply_stream(request_id)
-        self._add("xadd", key, protocol.encode_event(event))
+        self._add("xadd", key, protocol.encode_event(event), id=protocol.event_id(event))
         if ttl_s is not None:
             self._add("expire", key, ttl_s)
 
@@ -155,4 +156,4 @@ class Outbox:
             getattr(pipe, name)(*args, **kwargs)
         results = pipe.execute(raise_on_error=False)
         self._commands.clear()
-        return [r for r in results if isinstance(r, Exception)]
+        return [r for r in results if isinstance(r, Exception) and not protocol.is_duplicate_event_error(r)]

@@ -1,0 +1,205 @@
+"""Nothing lost: crash recovery with resume, cancellation, deadlines, poison entries.
+
+Real Redis, real tiny model. A "ghost" consumer stands for a worker that died holding entries."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tokenfleet import protocol
+from tokenfleet.config import DynamicBatchingConfig
+from tokenfleet.errors import RequestFailed
+from tokenfleet.producer import Client
+from tokenfleet.protocol import GROUP, ErrorCode, Keys
+
+LONG = DynamicBatchingConfig(max_wait_ms=10, max_batch_size=8, max_seq_len=4096, buckets=(16, 64))
+
+
+def events_of(r, prefix, request_id):
+    return [protocol.decode_event(f) for _, f in r.xrange(Keys(prefix).reply_stream(request_id))]
+
+
+def assert_clean_reply(events, expected_ids):
+    tokens = [e for e in events if e["type"] == "token"]
+    assert [e["index"] for e in tokens] == list(range(len(tokens))), "gap or duplicate"
+    assert [t for e in tokens for t in e["ids"]] == expected_ids
+    assert [e["type"] for e in events if e["type"] != "token"] == ["done"]
+
+
+def ghost_takes(r, stream, count=100):
+    """A consumer that reads entries and dies without acknowledging them."""
+    return r.xreadgroup(GROUP, "ghost", {stream: ">"}, count=count)
+
+
+def test_redelivered_request_resumes_from_streamed_tokens(
+    run_worker, redis_url, prefix, r, model_path, reference
+):
+    keys = Keys(prefix)
+    client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
+    prompt = "resume me"
+    expected = reference.greedy(reference.ids(prompt), 20, ignore_eos=True)
+    r.xgroup_create(keys.request_stream(16), GROUP, id="0", mkstream=True)
+    handle = client.submit(prompt, max_new_tokens=20, ignore_eos=True)
+    assert ghost_takes(r, keys.request_stream(16))
+    # the dead worker had streamed 7 tokens before it died
+    for i, tok in enumerate(expected[:7]):
+        ev = protocol.token_event(i, [tok], "")
+        r.xadd(keys.reply_stream(handle.id), protocol.encode_event(ev), id=protocol.event_id(ev))
+    with run_worker(LONG, claim_idle_ms=200) as running:
+        res = handle.result(timeout=60)
+        assert running.worker.reclaimer.reclaimed == 1
+    assert res.token_ids == expected
+    assert_clean_reply(events_of(r, prefix, handle.id), expected)
+    assert r.xpending(keys.request_stream(16), GROUP)["pending"] == 0
+
+
+def test_poison_entry_is_dead_lettered_after_max_attempts(run_worker, redis_url, prefix, r, model_path):
+    keys = Keys(prefix)
+    stream = keys.request_stream(16)
+    r.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
+    handle = client.submit("poison", max_new_tokens=4)
+    ((_, [(entry_id, _)]),) = ghost_takes(r, stream)
+    r.xclaim(stream, GROUP, "ghost", 0, [entry_id], retrycount=5)  # already delivered 5 times
+    with run_worker(LONG, claim_idle_ms=200, max_attempts=3), pytest.raises(RequestFailed) as info:
+        handle.result(timeout=30)
+    assert info.value.code == ErrorCode.TOO_MANY_ATTEMPTS
+    dead = r.xrange(keys.dead_letter)
+    assert [f[b"code"] for _, f in dead] == [b"too_many_attempts"]
+    assert r.xpending(stream, GROUP)["pending"] == 0
+
+
+def test_kill_9_mid_stream_second_worker_finishes_everything(
+    run_worker, redis_url, prefix, r, tiny_model, model_path, reference
+):
+    prompts = ["one", "two two", "three three three", "four", "five five", "six"]
+    new = 160
+    keys = Keys(prefix)
+    env = {**os.environ, "REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix}
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokenfleet",
+            "worker",
+            "--model",
+            tiny_model,
+            "--buckets",
+            "16,64",
+            "--dtype",
+            "float32",
+            "--max-wait-ms",
+            "50",
+            "--claim-idle-ms",
+            "1000",
+            "--max-seq-len",
+            "4096",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
+        handles = [client.submit(p, max_new_tokens=new, ignore_eos=True) for p in prompts]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if all(r.xlen(keys.reply_stream(h.id)) >= 3 for h in handles):
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail("the first worker never streamed")
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        partial = [r.xlen(keys.reply_stream(h.id)) for h in handles]
+        assert all(n < new for n in partial), f"the first worker finished before the kill: {partial}"
+        with run_worker(LONG, claim_idle_ms=1000) as second:
+            results = [h.result(timeout=180) for h in handles]
+            assert second.worker.reclaimer.reclaimed == len(prompts)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    for p, h, res in zip(prompts, handles, results):
+        expected = reference.greedy(reference.ids(p), new, ignore_eos=True)
+        assert res.token_ids == expected
+        assert_clean_reply(events_of(r, prefix, h.id), expected)
+
+
+def test_cancel_queued_request_never_starts(run_worker, redis_url, prefix, r, model_path):
+    waiting = DynamicBatchingConfig(max_wait_ms=60_000, max_batch_size=8, max_seq_len=256, buckets=(16,))
+    with run_worker(waiting) as running:
+        client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16])
+        handle = client.submit("never", max_new_tokens=5)
+        time.sleep(0.3)  # read and waiting for its batch
+        handle.cancel()
+        res = handle.result(timeout=10)
+        assert running.prefill_sizes == []
+    assert res.finish_reason == "cancelled" and res.token_ids == []
+    assert r.xpending(Keys(prefix).request_stream(16), GROUP)["pending"] == 0
+
+
+def test_cancel_running_request_stops_within_a_step_and_frees_blocks(
+    run_worker, redis_url, prefix, r, model_path
+):
+    keys = Keys(prefix)
+    with run_worker(LONG) as running:
+        client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
+        handle = client.submit("cancel me", max_new_tokens=3000, ignore_eos=True)
+        while r.xlen(keys.reply_stream(handle.id)) < 5:
+            time.sleep(0.005)
+        handle.cancel()
+        streamed_at_cancel = r.xlen(keys.reply_stream(handle.id))
+        res = handle.result(timeout=30)
+        time.sleep(0.1)
+        assert running.worker.engine.allocator.num_used_blocks == 0
+    assert res.finish_reason == "cancelled"
+    assert len(res.token_ids) <= streamed_at_cancel + 2, "kept generating after the cancel"
+    assert res.usage["completion_tokens"] == len(res.token_ids)
+
+
+def test_raw_redis_cancel_as_documented(run_worker, redis_url, prefix, r, model_path):
+    with run_worker(LONG):
+        client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
+        handle = client.submit("cancel me raw", max_new_tokens=3000, ignore_eos=True)
+        next(iter(handle.stream(timeout=30)))
+        r.set(f"{prefix}:cancel:{handle.id}", 1, ex=3600)
+        assert handle.result(timeout=30).finish_reason == "cancelled"
+
+
+def test_deadline_passed_while_queued_is_not_started(run_worker, redis_url, prefix, model_path):
+    with run_worker(LONG) as running:
+        client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
+        handle = client.submit("late", max_new_tokens=5, deadline_ms=int(time.time() * 1000) - 1)
+        with pytest.raises(RequestFailed) as info:
+            handle.result(timeout=10)
+        assert running.prefill_sizes == []
+    assert info.value.code == ErrorCode.DEADLINE_EXCEEDED
+
+
+def test_deadline_passing_while_running_stops_it(run_worker, redis_url, prefix, r, model_path):
+    with run_worker(LONG):
+        client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
+        handle = client.submit(
+            "slow", max_new_tokens=3000, ignore_eos=True, deadline_ms=int(time.time() * 1000) + 500
+        )
+        with pytest.raises(RequestFailed) as info:
+            handle.result(timeout=30)
+    assert info.value.code == ErrorCode.DEADLINE_EXCEEDED
+    tokens = [e for e in events_of(r, prefix, handle.id) if e["type"] == "token"]
+    assert 0 < len(tokens) < 3000
+
+
+def test_server_queue_timeout(run_worker, redis_url, prefix, model_path):
+    static = DynamicBatchingConfig(
+        max_wait_ms=0, max_batch_size=4, max_seq_len=256, buckets=(16,), mode="static"
+    )
+    with run_worker(static, queue_timeout_s=0.3):
+        client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16])
+        handle = client.submit("lonely", max_new_tokens=5)  # a static batch of 4 never fills
+        with pytest.raises(RequestFailed) as info:
+            handle.result(timeout=10)
+    assert info.value.code == ErrorCode.DEADLINE_EXCEEDED
