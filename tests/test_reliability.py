@@ -203,3 +203,43 @@ def test_server_queue_timeout(run_worker, redis_url, prefix, model_path):
         with pytest.raises(RequestFailed) as info:
             handle.result(timeout=10)
     assert info.value.code == ErrorCode.DEADLINE_EXCEEDED
+
+
+def test_full_queue_refuses_with_queue_full_instead_of_trimming(run_worker, redis_url, prefix, r, model_path):
+    from tokenfleet.errors import QueueFull
+
+    slow = DynamicBatchingConfig(
+        max_wait_ms=0, max_batch_size=2, max_seq_len=4096, buckets=(16,), mode="dynamic"
+    )
+    keys = Keys(prefix)
+    with run_worker(slow, max_queue=3):
+        client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16])
+        handles = []
+        with pytest.raises(QueueFull, match="max_queue 3"):
+            for _ in range(20):
+                handles.append(client.submit("q", max_new_tokens=3000, ignore_eos=True))
+                time.sleep(0.1)
+        lag = next(g for g in r.xinfo_groups(keys.request_stream(16)) if g["name"] == b"workers")["lag"]
+        # the worker holds 2 running + at most 2 read ahead; 3 more wait undelivered
+        assert lag == 3 and 3 < len(handles) <= 7
+        assert r.xlen(keys.request_stream(16)) == len(handles)  # nothing was trimmed away
+        for h in handles:
+            h.cancel()
+        assert {h.result(timeout=30).finish_reason for h in handles} == {"cancelled"}
+
+
+def test_streams_are_trimmed_of_acknowledged_entries_only(
+    run_worker, redis_url, prefix, r, model_path, monkeypatch
+):
+    import tokenfleet.worker.loop as loop
+
+    monkeypatch.setattr(loop, "TRIM_EVERY_S", 0.05)
+    keys = Keys(prefix)
+    with run_worker(LONG):
+        client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
+        for h in [client.submit(f"p{i}", max_new_tokens=2) for i in range(10)]:
+            h.result(timeout=60)
+        deadline = time.monotonic() + 10
+        while r.xlen(keys.request_stream(16)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.xlen(keys.request_stream(16)) == 0

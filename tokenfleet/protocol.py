@@ -372,6 +372,33 @@ def salvage_request_id(fields: dict[bytes, bytes]) -> str | None:
         return None
 
 
+# -- backpressure ---------------------------------------------------------------------------------
+
+ENQUEUE_SCRIPT = """
+-- KEYS[1] request stream, KEYS[2] the max_queue hash; ARGV[1] bucket, ARGV[2] msgpack body.
+-- Adds the request unless the stream already holds max_queue entries no worker has taken yet.
+local limit = tonumber(redis.call('HGET', KEYS[2], ARGV[1]))
+if limit then
+  local depth = redis.call('XLEN', KEYS[1])
+  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+  if ok then
+    for _, g in ipairs(groups) do
+      for i = 1, #g, 2 do
+        if g[i] == 'name' and g[i + 1] ~= 'workers' then break end
+        if g[i] == 'lag' and g[i + 1] then depth = g[i + 1] end
+      end
+    end
+  end
+  if depth >= limit then
+    return redis.error_reply('QUEUEFULL ' .. KEYS[1] .. ' holds ' .. depth ..
+                             ' waiting requests (max_queue ' .. limit .. ')')
+  end
+end
+return redis.call('XADD', KEYS[1], '*', 'm', ARGV[2])
+"""
+"""Atomic "XADD unless the queue is full" for producers (see PROTOCOL.md, Backpressure)."""
+
+
 # -- reply events -----------------------------------------------------------------------------------
 
 

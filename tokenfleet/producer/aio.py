@@ -7,12 +7,20 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from tokenfleet import protocol
 from tokenfleet.config import prefix_from_env, redis_url_from_env
 from tokenfleet.producer.client import BUCKETS_TTL_S, CANCEL_TTL_S
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
-from tokenfleet.producer.routing import build_request, load_tokenizer, next_block_ms, target_stream
+from tokenfleet.producer.routing import (
+    build_request,
+    enqueue_args,
+    load_tokenizer,
+    next_block_ms,
+    queue_full_error,
+    target_stream,
+)
 from tokenfleet.protocol import TERMINAL_EVENTS, Keys
 
 
@@ -30,6 +38,7 @@ class AsyncClient:
         self.keys = Keys(prefix_from_env(prefix))
         self.tokenizer = load_tokenizer(model)
         self._fixed_buckets = list(buckets) if buckets else None
+        self._enqueue = self.redis.register_script(protocol.ENQUEUE_SCRIPT)
         self._buckets: list[int] = []
         self._buckets_at = float("-inf")
 
@@ -52,7 +61,11 @@ class AsyncClient:
         request = build_request(prompt, input_ids, self.tokenizer, request_id, params)
         protocol.validate_request(request.to_wire())
         stream = target_stream(self.keys, request, await self.buckets())
-        await self.redis.xadd(stream, protocol.encode_request(request))
+        keys, args = enqueue_args(self.keys, stream, request)
+        try:
+            await self._enqueue(keys=keys, args=args)
+        except ResponseError as e:
+            raise queue_full_error(e) or e from e
         return AsyncHandle(self, request.id)
 
     async def events(self, request_id: str, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:

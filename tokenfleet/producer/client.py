@@ -11,7 +11,14 @@ import redis
 from tokenfleet import protocol
 from tokenfleet.config import prefix_from_env, redis_url_from_env
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
-from tokenfleet.producer.routing import build_request, load_tokenizer, next_block_ms, target_stream
+from tokenfleet.producer.routing import (
+    build_request,
+    enqueue_args,
+    load_tokenizer,
+    next_block_ms,
+    queue_full_error,
+    target_stream,
+)
 from tokenfleet.protocol import TERMINAL_EVENTS, Keys
 
 BUCKETS_TTL_S = 10.0
@@ -39,6 +46,7 @@ class Client:
         self.keys = Keys(prefix_from_env(prefix))
         self.tokenizer = load_tokenizer(model)
         self._fixed_buckets = list(buckets) if buckets else None
+        self._enqueue = self.redis.register_script(protocol.ENQUEUE_SCRIPT)
         self._buckets: list[int] = []
         self._buckets_at = float("-inf")
 
@@ -59,14 +67,21 @@ class Client:
         request_id: str | None = None,
         **params: Any,
     ) -> Handle:
-        """Enqueue one request; returns at once with a :class:`Handle`.
+        """Enqueue one request; returns at once with a :class:`Handle`. Raises
+        :class:`~tokenfleet.errors.QueueFull` when its bucket already holds ``max_queue`` waiting
+        requests (set by the workers' ``--max-queue``).
 
         ``params``: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
         ``stop_token_ids``, ``ignore_eos``, ``deadline_ms``, ``reply_ttl_s`` (see PROTOCOL.md).
         """
         request = build_request(prompt, input_ids, self.tokenizer, request_id, params)
         protocol.validate_request(request.to_wire())  # fail here, not in a worker's reply
-        self.redis.xadd(target_stream(self.keys, request, self.buckets()), protocol.encode_request(request))
+        stream = target_stream(self.keys, request, self.buckets())
+        keys, args = enqueue_args(self.keys, stream, request)
+        try:
+            self._enqueue(keys=keys, args=args)
+        except redis.ResponseError as e:
+            raise queue_full_error(e) or e from e
         return Handle(self, request.id)
 
     def events(self, request_id: str, timeout: float | None = None) -> Iterator[dict[str, Any]]:

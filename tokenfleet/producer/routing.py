@@ -11,7 +11,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from tokenfleet.errors import ResultTimeout
+from tokenfleet import protocol
+from tokenfleet.errors import QueueFull, ResultTimeout
 from tokenfleet.protocol import Keys, Request
 
 READ_BLOCK_MS = 1000  # longest single XREAD wait while following a reply stream
@@ -82,3 +83,15 @@ def next_block_ms(request_id: str, deadline: float | None, timeout: float | None
     if left <= 0:
         raise ResultTimeout(f"no terminal event for request {request_id} within {timeout}s")
     return max(1, min(READ_BLOCK_MS, int(left * 1000)))
+
+
+def queue_full_error(error: Exception) -> QueueFull | None:
+    """The :class:`QueueFull` that an ENQUEUE_SCRIPT refusal stands for, or None."""
+    text = str(error)
+    return QueueFull(text.removeprefix("QUEUEFULL ")) if text.startswith("QUEUEFULL") else None
+
+
+def enqueue_args(keys: Keys, stream: str, request: Request) -> tuple[list[str], list]:
+    """KEYS and ARGV of :data:`~tokenfleet.protocol.ENQUEUE_SCRIPT` for one request."""
+    bucket = stream.rsplit(":", 1)[1]
+    return [stream, keys.max_queue], [bucket, protocol.pack(request.to_wire())]

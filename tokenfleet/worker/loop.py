@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 IDLE_BLOCK_MS = 500  # longest blocking read, so that a stop request is noticed promptly
 HEARTBEAT_S = 2.0
+TRIM_EVERY_S = 5.0
 BACKOFF_START_S, BACKOFF_MAX_S = 0.1, 60.0
 
 
@@ -62,6 +63,7 @@ class Worker:
         self._stop = threading.Event()
         self._user_on_batch = on_batch
         self._last_heartbeat = 0.0
+        self._last_trim = time.monotonic()
         self.requests_finished = 0
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -77,6 +79,9 @@ class Worker:
     def setup(self) -> None:
         self.reader.ensure_groups()
         self.client.sadd(self.keys.buckets, *self.config.batching.buckets)
+        if self.config.max_queue is not None:
+            limits = {str(b): self.config.max_queue for b in self.config.batching.buckets}
+            self.client.hset(self.keys.max_queue, mapping={**limits, "auto": self.config.max_queue})
         self._heartbeat(force=True)
         log.info(
             "worker %s serving buckets %s (mode %s, max_batch_size %d, max_wait_ms %g)",
@@ -150,6 +155,9 @@ class Worker:
         if outputs and not self._holds_work():
             self._log_memory()
         self.reclaimer.touch(seq.key for seq in self.scheduler.held())
+        if time.monotonic() - self._last_trim > TRIM_EVERY_S:
+            self._last_trim = time.monotonic()
+            self.reader.trim_acknowledged()
         self._heartbeat()
 
     def _log_memory(self) -> None:

@@ -35,6 +35,31 @@ return out
 """
 
 
+# Drops the entries every consumer of the group has acknowledged, and nothing else: those older
+# than the oldest pending entry, or, with nothing pending, all up to the last delivered one.
+_TRIM_ACKED = """
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1])
+local minid
+if pending[1] > 0 then
+  minid = pending[2]
+else
+  local last
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+    local name, delivered
+    for i = 1, #g, 2 do
+      if g[i] == 'name' then name = g[i + 1] end
+      if g[i] == 'last-delivered-id' then delivered = g[i + 1] end
+    end
+    if name == ARGV[1] then last = delivered end
+  end
+  if not last or last == '0-0' then return 0 end
+  local ms, seq = string.match(last, '(%d+)-(%d+)')
+  minid = ms .. '-' .. (tonumber(seq) + 1)
+end
+return redis.call('XTRIM', KEYS[1], 'MINID', minid)
+"""
+
+
 @dataclass(frozen=True)
 class Entry:
     """One request stream entry as read."""
@@ -61,6 +86,7 @@ class StreamReader:
         self.streams = streams
         self.consumer = consumer
         self._script = client.register_script(_READ_BOUNDED)
+        self._trim = client.register_script(_TRIM_ACKED)
         self._rotation = itertools.cycle(range(len(streams)))
 
     def ensure_groups(self) -> None:
@@ -72,6 +98,11 @@ class StreamReader:
             except redis.ResponseError as e:
                 if "BUSYGROUP" not in str(e):
                     raise
+
+    def trim_acknowledged(self) -> int:
+        """Remove acknowledged entries from every stream (never an unacknowledged one), so Redis
+        memory stays bounded on a long run; returns how many were removed."""
+        return sum(int(self._trim(keys=[stream], args=[GROUP])) for stream in self.streams)
 
     def read(self, count: int, block_ms: int | None) -> list[Entry]:
         """Up to ``count`` new entries. With ``block_ms``, wait that long for the first one (that
