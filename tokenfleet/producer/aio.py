@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet import protocol
 from tokenfleet.config import prefix_from_env, redis_url_from_env
-from tokenfleet.producer.client import BUCKETS_TTL_S, CANCEL_TTL_S
+from tokenfleet.producer.client import BUCKETS_TTL_S, CANCEL_TTL_S, RECONNECT_GIVE_UP_S
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
 from tokenfleet.producer.routing import (
     build_request,
@@ -72,9 +75,20 @@ class AsyncClient:
         key = self.keys.reply_stream(request_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         last = "0"
+        outage_since: float | None = None
         while True:
             block = next_block_ms(request_id, deadline, timeout)
-            resp = await self.redis.xread({key: last}, block=block)
+            try:
+                resp = await self.redis.xread({key: last}, block=block)
+            except (RedisConnectionError, RedisTimeoutError):
+                # Redis restarting or a network blip: keep following until the caller's timeout
+                # (or RECONNECT_GIVE_UP_S without a connection when there is none)
+                outage_since = outage_since or time.monotonic()
+                if time.monotonic() - outage_since > RECONNECT_GIVE_UP_S:
+                    raise
+                await asyncio.sleep(0.2)
+                continue
+            outage_since = None
             for _, items in resp or []:
                 for entry_id, fields in items:
                     last = entry_id

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet import protocol
 from tokenfleet.config import prefix_from_env, redis_url_from_env
@@ -22,6 +24,7 @@ from tokenfleet.producer.routing import (
 from tokenfleet.protocol import TERMINAL_EVENTS, Keys
 
 BUCKETS_TTL_S = 10.0
+RECONNECT_GIVE_UP_S = 60.0  # following a reply stream survives Redis outages this long
 CANCEL_TTL_S = 24 * 3600  # long enough for a queued request to be seen
 
 
@@ -90,9 +93,20 @@ class Client:
         key = self.keys.reply_stream(request_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         last = "0"
+        outage_since: float | None = None
         while True:
             block = next_block_ms(request_id, deadline, timeout)
-            resp = self.redis.xread({key: last}, block=block)
+            try:
+                resp = self.redis.xread({key: last}, block=block)
+            except (RedisConnectionError, RedisTimeoutError):
+                # Redis restarting or a network blip: keep following until the caller's timeout
+                # (or RECONNECT_GIVE_UP_S without a connection when there is none)
+                outage_since = outage_since or time.monotonic()
+                if time.monotonic() - outage_since > RECONNECT_GIVE_UP_S:
+                    raise
+                time.sleep(0.2)
+                continue
+            outage_since = None
             for _, items in resp or []:
                 for entry_id, fields in items:
                     last = entry_id

@@ -92,6 +92,7 @@ class Engine:
         )
         self.allocator = BlockAllocator(num_blocks, kv.block_size)
         self.eos_token_ids = self._eos_ids()
+        self.max_token_chars = self._max_token_chars()
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         log.info(
             "engine: %s on %s/%s, KV pool %d blocks x %d tokens (%.1f MiB)",
@@ -114,6 +115,12 @@ class Engine:
                 f"KV cache budget of {memory_bytes} bytes is smaller than one block ({self.bytes_per_block})"
             )
         return blocks
+
+    def _max_token_chars(self) -> int:
+        """Most characters one token decodes to (bounds a prompt's length from its token count)."""
+        vocab = self.tokenizer.get_vocab()
+        longest = max((len(t) for t in vocab), default=1)
+        return max(1, longest + 1)  # +1: byte-level markers and word-boundary spaces
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()

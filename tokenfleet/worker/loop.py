@@ -262,6 +262,16 @@ class Worker:
                     request_id=request.id,
                 )
             return ids
+        # no token spans more characters than the longest in the vocabulary: a prompt longer than
+        # that times the largest bucket is refused without spending time tokenizing it
+        largest = self.config.batching.largest_bucket
+        if len(request.prompt) > largest * self.engine.max_token_chars:
+            raise ProtocolError(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"prompt of {len(request.prompt)} characters cannot fit the largest bucket "
+                f"({largest} tokens)",
+                request_id=request.id,
+            )
         return self.engine.tokenizer(request.prompt).input_ids
 
     def _sequence(self, entry: Entry, request: protocol.Request) -> SeqState:
