@@ -47,7 +47,13 @@ def answers(url: str, timeout: float = 0.5) -> bool:
 class EmbeddedRedis:
     """Start a private server on a free loopback port in a temp dir; stop and remove it on exit."""
 
-    def __init__(self, binary: str | None = None, port: int | None = None, extra_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        binary: str | None = None,
+        port: int | None = None,
+        extra_args: tuple[str, ...] = (),
+        data_dir: str | None = None,
+    ):
         self.binary = binary or find_server_binary()
         if self.binary is None:
             raise RuntimeError(
@@ -55,6 +61,7 @@ class EmbeddedRedis:
             )
         self.port = port or free_port()
         self.extra_args = extra_args
+        self.data_dir = data_dir  # kept across stop/start (persistence tests); else a temp dir
         self.proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
 
@@ -63,7 +70,9 @@ class EmbeddedRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
-        self._dir = tempfile.TemporaryDirectory(prefix="tokenfleet-redis-")
+        if self.data_dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="tokenfleet-redis-")
+        workdir = self.data_dir or self._dir.name
         args = [
             self.binary,
             "--port",
@@ -75,7 +84,7 @@ class EmbeddedRedis:
             "--appendonly",
             "no",
             "--dir",
-            self._dir.name,
+            workdir,
             *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
