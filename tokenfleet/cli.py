@@ -357,6 +357,21 @@ def cancel(request_id: str, redis_url: str | None, prefix: str | None) -> None:
 
 
 @main.command()
+@prefix_option
+@click.option("--producer-password", required=True, help="Password of the tokenfleet-producer user.")
+@click.option("--worker-password", required=True, help="Password of the tokenfleet-worker user.")
+def acl(prefix: str | None, producer_password: str, worker_password: str) -> None:
+    """Print ACL SETUSER commands (for redis-cli) that give producers and workers exactly the
+    rights they need on this prefix's keys and nothing else."""
+    import shlex
+
+    from tokenfleet.acl import acl_rules
+
+    for args in acl_rules(prefix_from_env(prefix), producer_password, worker_password):
+        click.echo("ACL SETUSER " + " ".join(shlex.quote(a) for a in args))
+
+
+@main.command()
 @redis_url_option
 @prefix_option
 @click.option(

@@ -1,0 +1,169 @@
+"""ACLs applied on a real Redis (each role can do its job and nothing else) and TLS connections."""
+
+import shutil
+import subprocess
+import time
+
+import pytest
+import redis
+
+from tokenfleet.acl import acl_rules
+from tokenfleet.config import DynamicBatchingConfig
+from tokenfleet.embedded import EmbeddedRedis, answers, find_server_binary, free_port
+from tokenfleet.producer import Client
+from tokenfleet.protocol import Keys
+
+pytestmark = pytest.mark.skipif(find_server_binary() is None, reason="needs a redis-server binary")
+BATCHING = DynamicBatchingConfig(max_wait_ms=5, max_batch_size=4, max_seq_len=256, buckets=(16, 64))
+
+
+@pytest.fixture
+def acl_server(prefix):
+    with EmbeddedRedis() as server:
+        admin = redis.Redis.from_url(server.url)
+        for args in acl_rules(prefix, "prod-secret", "work-secret"):
+            admin.execute_command("ACL", "SETUSER", *args)
+        yield server, admin
+        admin.close()
+
+
+def url_as(server, user, password):
+    return f"redis://{user}:{password}@127.0.0.1:{server.port}/0"
+
+
+def test_each_role_does_its_job_through_acls(acl_server, engine, prefix, model_path, reference):
+    from conftest import RunningWorker
+
+    server, admin = acl_server
+    worker_url = url_as(server, "tokenfleet-worker", "work-secret")
+    producer_url = url_as(server, "tokenfleet-producer", "prod-secret")
+    with RunningWorker(engine, worker_url, prefix, BATCHING, max_queue=100):
+        client = Client(producer_url, model=str(model_path), prefix=prefix)
+        res = client.submit("acl", max_new_tokens=5).result(timeout=60)
+        assert res.token_ids == reference.greedy(reference.ids("acl"), 5)
+        long = client.submit("cancel", max_new_tokens=200, ignore_eos=True)
+        next(iter(long.stream(timeout=60)))
+        long.cancel()
+        assert long.result(timeout=30).finish_reason == "cancelled"
+        # the worker routes auto entries and dead-letters junk under its own rights too
+        raw_producer = redis.Redis.from_url(producer_url)
+        raw_producer.xadd(Keys(prefix).auto_stream, {"id": "acl-auto", "prompt": "hi", "max_new_tokens": "3"})
+        raw_producer.xadd(Keys(prefix).request_stream(16), {"m": b"\xc1"})
+        assert len(client.result("acl-auto", timeout=60).token_ids) == 3
+        deadline = time.monotonic() + 10
+        while not admin.xlen(Keys(prefix).dead_letter) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert admin.xlen(Keys(prefix).dead_letter) == 1
+
+
+def test_producer_is_refused_outside_its_role(acl_server, prefix):
+    server, admin = acl_server
+    keys = Keys(prefix)
+    admin.xgroup_create(keys.request_stream(16), "workers", id="0", mkstream=True)
+    admin.xadd(keys.dead_letter, {"x": "1"})
+    p = redis.Redis.from_url(url_as(server, "tokenfleet-producer", "prod-secret"))
+    refused = [
+        lambda: p.xreadgroup("workers", "me", {keys.request_stream(16): ">"}),  # taking work
+        lambda: p.xack(keys.request_stream(16), "workers", "0-1"),
+        lambda: p.xadd(keys.reply_stream("forged"), {"type": "done"}),  # forging replies
+        lambda: p.xrange(keys.dead_letter),  # reading others' dead letters
+        lambda: p.delete(keys.request_stream(16)),
+        lambda: p.set("elsewhere", 1),  # keys outside the prefix
+        lambda: p.flushall(),
+        lambda: p.config_get("*"),
+        lambda: p.keys("*"),
+    ]
+    for call in refused:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            call()
+
+
+def test_worker_is_refused_outside_its_role(acl_server, prefix):
+    server, _ = acl_server
+    w = redis.Redis.from_url(url_as(server, "tokenfleet-worker", "work-secret"))
+    refused = [
+        lambda: w.set(Keys(prefix).cancel("x"), 1),  # cancelling is the producers' right
+        lambda: w.set("elsewhere", 1),
+        lambda: w.get("other-app:secret"),
+        lambda: w.flushall(),
+        lambda: w.config_set("appendonly", "no"),
+        lambda: w.keys("*"),
+        lambda: w.delete(Keys(prefix).request_stream(16)),
+    ]
+    for call in refused:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            call()
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis.from_url(url_as(server, "tokenfleet-worker", "wrong")).ping()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_rediss_tls_url_serves_requests(engine, tmp_path, prefix, model_path, reference):
+    from conftest import RunningWorker
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            find_server_binary(),
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--tls-cert-file",
+            str(cert),
+            "--tls-key-file",
+            str(key),
+            "--tls-ca-cert-file",
+            str(cert),
+            "--tls-auth-clients",
+            "no",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+    try:
+        for _ in range(100):
+            if answers(url):
+                break
+            time.sleep(0.05)
+        else:
+            pytest.skip("this redis-server was built without TLS")
+        with RunningWorker(engine, url, prefix, BATCHING):
+            client = Client(url, model=str(model_path), prefix=prefix)
+            assert client.submit("tls", max_new_tokens=4).result(timeout=60).token_ids == reference.greedy(
+                reference.ids("tls"), 4
+            )
+        assert not answers(f"redis://127.0.0.1:{port}/0")  # plain text is refused
+    finally:
+        proc.terminate()
+        proc.wait(10)

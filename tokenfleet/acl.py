@@ -1,0 +1,98 @@
+"""Redis ACL rules for the two roles of a fleet: producers and workers.
+
+Producers may only enqueue (through the backpressure script), read reply streams, cancel and read
+the bucket list; workers may only do what serving needs, on the fleet's keys. Print them with
+``tokenfleet acl``; ``docs/OPERATIONS.md`` shows them for the default prefix.
+"""
+
+from __future__ import annotations
+
+# Commands every client library sends on connect or to check the connection.
+_CONNECT = [
+    "+ping",
+    "+hello",
+    "+auth",
+    "+select",
+    "+readonly",
+]  # client libraries ignore a refused CLIENT SETINFO
+# redis-py runs scripts with EVALSHA and loads them on a cache miss.
+_SCRIPTS = ["+eval", "+evalsha", "+script|load"]
+
+PRODUCER_COMMANDS = (
+    _CONNECT
+    + _SCRIPTS
+    + [
+        "+xadd",
+        "+xlen",
+        "+xinfo|groups",
+        "+hget",  # the enqueue script (KEYS: request stream, max_queue)
+        "+xread",
+        "+xrange",  # follow and replay reply streams
+        "+set",  # cancel flags
+        "+smembers",  # the bucket list
+    ]
+)
+WORKER_COMMANDS = (
+    _CONNECT
+    + _SCRIPTS
+    + [
+        "+xreadgroup",
+        "+xack",
+        "+xautoclaim",
+        "+xclaim",
+        "+xpending",
+        "+xgroup|create",
+        "+xinfo|groups",
+        "+xadd",
+        "+xtrim",
+        "+xrange",
+        "+xlen",
+        "+expire",
+        "+multi",
+        "+exec",
+        "+discard",
+        "+hset",
+        "+hdel",
+        "+sadd",
+        "+mget",
+    ]
+)
+
+
+def producer_key_patterns(prefix: str) -> list[str]:
+    return [
+        f"%RW~{prefix}:req:*",
+        f"%R~{prefix}:reply:*",
+        f"%W~{prefix}:cancel:*",
+        f"%R~{prefix}:buckets",
+        # EVAL needs read-write access to every key it declares; +hget is the only hash command
+        # producers have, so they still cannot change the limit
+        f"~{prefix}:max_queue",
+    ]
+
+
+def worker_key_patterns(prefix: str) -> list[str]:
+    return [
+        f"~{prefix}:req:*",
+        f"~{prefix}:reply:*",
+        f"~{prefix}:dead",
+        f"~{prefix}:buckets",
+        f"~{prefix}:workers",
+        f"~{prefix}:max_queue",
+        f"%R~{prefix}:cancel:*",
+    ]
+
+
+def setuser_args(user: str, password: str, commands: list[str], patterns: list[str]) -> list[str]:
+    """Arguments of ``ACL SETUSER`` that (re)define ``user`` from scratch with exactly these rights."""
+    return [user, "reset", "on", f">{password}", "resetchannels", "-@all", *commands, *patterns]
+
+
+def acl_rules(prefix: str, producer_password: str, worker_password: str) -> list[list[str]]:
+    """``ACL SETUSER`` argument lists for the ``tokenfleet-producer`` and ``tokenfleet-worker`` users."""
+    return [
+        setuser_args(
+            "tokenfleet-producer", producer_password, PRODUCER_COMMANDS, producer_key_patterns(prefix)
+        ),
+        setuser_args("tokenfleet-worker", worker_password, WORKER_COMMANDS, worker_key_patterns(prefix)),
+    ]
