@@ -167,3 +167,12 @@ def test_rediss_tls_url_serves_requests(engine, tmp_path, prefix, model_path, re
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_operations_doc_shows_the_rules_the_code_applies():
+    import shlex
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "OPERATIONS.md").read_text()
+    for args in acl_rules("tokenfleet", "P", "W"):
+        assert "ACL SETUSER " + " ".join(shlex.quote(a) for a in args) in doc
