@@ -243,3 +243,18 @@ def test_streams_are_trimmed_of_acknowledged_entries_only(
         while r.xlen(keys.request_stream(16)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert r.xlen(keys.request_stream(16)) == 0
+
+
+def test_restart_under_the_same_name_resumes_its_own_pending_at_once(
+    run_worker, redis_url, prefix, r, model_path, reference
+):
+    keys = Keys(prefix)
+    stream = keys.request_stream(16)
+    r.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
+    handle = client.submit("mine", max_new_tokens=6)
+    r.xreadgroup(GROUP, "worker-7", {stream: ">"})  # a worker named worker-7 took it, then restarted
+    # claim_idle_ms is long: only reading its own pending list can explain a prompt finish
+    with run_worker(LONG, name="worker-7", claim_idle_ms=600_000):
+        res = handle.result(timeout=30)
+    assert res.token_ids == reference.greedy(reference.ids("mine"), 6)

@@ -64,6 +64,7 @@ class Worker:
         self._user_on_batch = on_batch
         self._last_heartbeat = 0.0
         self._last_trim = time.monotonic()
+        self._recovered_own = False
         self.requests_finished = 0
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -83,6 +84,10 @@ class Worker:
             limits = {str(b): self.config.max_queue for b in self.config.batching.buckets}
             self.client.hset(self.keys.max_queue, mapping={**limits, "auto": self.config.max_queue})
         self._heartbeat(force=True)
+        if not self._recovered_own:  # once per process: our own unfinished entries first
+            self._recovered_own = True
+            for entry in self.reader.read_own_pending(self.config.batching.max_batch_size * 4):
+                self._accept(entry, redelivered=True)
         log.info(
             "worker %s serving buckets %s (mode %s, max_batch_size %d, max_wait_ms %g)",
             self.name,

@@ -99,6 +99,17 @@ class StreamReader:
                 if "BUSYGROUP" not in str(e):
                     raise
 
+    def read_own_pending(self, count: int) -> list[Entry]:
+        """Entries this consumer name was given before and never acknowledged (a worker restarted
+        under a fixed ``--name``): read from id 0, as a restarted consumer must."""
+        resp = self.client.xreadgroup(GROUP, self.consumer, {s: "0" for s in self.streams}, count=count)
+        return [
+            Entry(stream.decode(), entry_id.decode(), fields)
+            for stream, items in resp or []
+            for entry_id, fields in items
+            if fields  # entries deleted while pending come back empty
+        ]
+
     def trim_acknowledged(self) -> int:
         """Remove acknowledged entries from every stream (never an unacknowledged one), so Redis
         memory stays bounded on a long run; returns how many were removed."""
