@@ -14,6 +14,7 @@ import redis
 
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig, WorkerConfig
 from tokenfleet.embedded import EmbeddedRedis, answers
+from tokenfleet.protocol import Keys
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -34,7 +35,7 @@ def prefix(redis_url: str) -> Iterator[str]:
     name = f"tftest-{secrets.token_hex(4)}"
     yield name
     client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"{name}:*", count=1000))
+    keys = [k for pattern in Keys(name).patterns for k in client.scan_iter(match=pattern, count=1000)]
     if keys:
         client.delete(*keys)
     client.close()

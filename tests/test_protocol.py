@@ -10,10 +10,18 @@ from tokenfleet.protocol import ErrorCode, Keys, Request
 
 def test_keys_share_one_prefix():
     k = Keys("p")
-    assert k.request_stream(128) == "p:req:128"
-    assert k.auto_stream == "p:req:auto"
-    assert k.reply_stream("abc") == "p:reply:abc"
-    assert k.dead_letter == "p:dead"
+    assert k.request_stream(128) == "{p}:req:128"  # one hash tag: one cluster slot for all control keys
+    assert k.auto_stream == "{p}:req:auto"
+    assert k.max_queue == "{p}:max_queue"
+    assert k.dead_letter == "{p}:dead"
+    assert k.reply_stream("abc") == "p:reply:abc"  # no tag: replies spread over the cluster
+    assert k.cancel("abc") == "p:cancel:abc"
+
+
+def test_prefix_with_braces_or_globs_is_refused():
+    for bad in ("a{b}", "a*", "", "a b"):
+        with pytest.raises(ValueError):
+            Keys(bad)
 
 
 def test_msgpack_round_trip():

@@ -184,7 +184,7 @@ def test_raw_redis_cli_producer_is_served(run_worker, redis_url, prefix, r, refe
                 "-u",
                 redis_url,
                 "XADD",
-                f"{prefix}:req:auto",
+                Keys(prefix).auto_stream,
                 "*",
                 "v",
                 "1",
@@ -199,7 +199,7 @@ def test_raw_redis_cli_producer_is_served(run_worker, redis_url, prefix, r, refe
             capture_output=True,
         )
         out = subprocess.run(
-            [cli, "-u", redis_url, "XREAD", "BLOCK", "30000", "STREAMS", f"{prefix}:reply:cli-42", "0"],
+            [cli, "-u", redis_url, "XREAD", "BLOCK", "30000", "STREAMS", Keys(prefix).reply_stream("cli-42"), "0"],
             check=True,
             capture_output=True,
         )

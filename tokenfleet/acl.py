@@ -7,6 +7,8 @@ the bucket list; workers may only do what serving needs, on the fleet's keys. Pr
 
 from __future__ import annotations
 
+from tokenfleet.protocol import Keys
+
 # Commands every client library sends on connect or to check the connection.
 _CONNECT = [
     "+ping",
@@ -48,37 +50,36 @@ WORKER_COMMANDS = (
         "+xrange",
         "+xlen",
         "+expire",
-        "+multi",
-        "+exec",
-        "+discard",
         "+hset",
         "+hdel",
         "+sadd",
-        "+mget",
+        "+exists",
     ]
 )
 
 
 def producer_key_patterns(prefix: str) -> list[str]:
+    keys = Keys(prefix)
     return [
-        f"%RW~{prefix}:req:*",
+        f"%RW~{keys.tag}:req:*",
         f"%R~{prefix}:reply:*",
         f"%W~{prefix}:cancel:*",
-        f"%R~{prefix}:buckets",
+        f"%R~{keys.buckets}",
         # EVAL needs read-write access to every key it declares; +hget is the only hash command
         # producers have, so they still cannot change the limit
-        f"~{prefix}:max_queue",
+        f"~{keys.max_queue}",
     ]
 
 
 def worker_key_patterns(prefix: str) -> list[str]:
+    keys = Keys(prefix)
     return [
-        f"~{prefix}:req:*",
+        f"~{keys.tag}:req:*",
         f"~{prefix}:reply:*",
-        f"~{prefix}:dead",
-        f"~{prefix}:buckets",
-        f"~{prefix}:workers",
-        f"~{prefix}:max_queue",
+        f"~{keys.dead_letter}",
+        f"~{keys.buckets}",
+        f"~{keys.workers}",
+        f"~{keys.max_queue}",
         f"%R~{prefix}:cancel:*",
     ]
 

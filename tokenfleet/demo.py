@@ -137,7 +137,9 @@ def _run(model_dir: str, url: str, prefix: str, requests: int, max_new_tokens: i
 def _delete_prefix(url: str, prefix: str) -> None:
     client = redis.Redis.from_url(url)
     try:
-        keys = list(client.scan_iter(match=f"{prefix}:*", count=500))
+        from tokenfleet.protocol import Keys
+
+        keys = [k for pattern in Keys(prefix).patterns for k in client.scan_iter(match=pattern, count=500)]
         if keys:
             client.delete(*keys)
     except redis.RedisError:

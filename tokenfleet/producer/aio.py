@@ -14,6 +14,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet import protocol
 from tokenfleet.config import prefix_from_env, redis_url_from_env
+from tokenfleet.connection import connect_async_client
 from tokenfleet.producer.client import BUCKETS_TTL_S, CANCEL_TTL_S, RECONNECT_GIVE_UP_S
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
 from tokenfleet.producer.routing import (
@@ -37,7 +38,7 @@ class AsyncClient:
         buckets: list[int] | None = None,
         client: aioredis.Redis | None = None,
     ):
-        self.redis = client or aioredis.Redis.from_url(redis_url_from_env(redis_url))
+        self.redis = client or connect_async_client(redis_url_from_env(redis_url))
         self.keys = Keys(prefix_from_env(prefix))
         self.tokenizer = load_tokenizer(model)
         self._fixed_buckets = list(buckets) if buckets else None

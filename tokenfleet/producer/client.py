@@ -12,6 +12,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet import protocol
 from tokenfleet.config import prefix_from_env, redis_url_from_env
+from tokenfleet.connection import connect_client
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
 from tokenfleet.producer.routing import (
     build_request,
@@ -45,7 +46,7 @@ class Client:
         buckets: list[int] | None = None,
         client: redis.Redis | None = None,
     ):
-        self.redis = client or redis.Redis.from_url(redis_url_from_env(redis_url))
+        self.redis = client or connect_client(redis_url_from_env(redis_url))
         self.keys = Keys(prefix_from_env(prefix))
         self.tokenizer = load_tokenizer(model)
         self._fixed_buckets = list(buckets) if buckets else None

@@ -2,7 +2,7 @@
 
 The loop runs in-process (an accelerator worker never forks per job). Each turn it flushes what
 the last step produced, reads at most what it could start soon, and runs one scheduler step.
-A request is acknowledged only in the same atomic round trip that writes its terminal event.
+A request is acknowledged only after its terminal event is written.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import redis
 
 from tokenfleet import protocol
 from tokenfleet.config import WorkerConfig
+from tokenfleet.connection import connect_client
 from tokenfleet.errors import ProtocolError
 from tokenfleet.protocol import ErrorCode, Keys
 from tokenfleet.worker.engine import Engine
@@ -38,8 +39,9 @@ BACKOFF_START_S, BACKOFF_MAX_S = 0.1, 60.0
 
 
 def connect(url: str) -> redis.Redis:
-    """A client for ``redis://`` or ``rediss://`` URLs (user/password in the URL work)."""
-    return redis.Redis.from_url(url, socket_keepalive=True, health_check_interval=30)
+    """A client for ``redis://`` or ``rediss://`` URLs (user/password in the URL work); a
+    cluster-aware one when the server is a Redis Cluster node."""
+    return connect_client(url, socket_keepalive=True, health_check_interval=30)
 
 
 class Worker:
@@ -366,7 +368,10 @@ class Worker:
         held = self.scheduler.held()
         if not held:
             return
-        flags = self.client.mget([self.keys.cancel(seq.request.id) for seq in held])
+        pipe = self.client.pipeline(transaction=False)  # GETs, not MGET: the keys span cluster slots
+        for seq in held:
+            pipe.exists(self.keys.cancel(seq.request.id))
+        flags = [flag or None for flag in pipe.execute()]
         cancelled = {seq.key for seq, flag in zip(held, flags) if flag is not None}
         now = time.time()
         expired = {seq.key for seq in held if seq.key not in cancelled and self._expired(seq, now)}

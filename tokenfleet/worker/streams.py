@@ -1,9 +1,8 @@
 """Redis Streams plumbing of the worker: consumer groups, bounded reads, the outbox of replies.
 
 Everything the worker writes for one step (token events, terminal events, acknowledgements,
-dead letters) is queued in an :class:`Outbox` and sent in one MULTI/EXEC round trip, so a step
-costs one round trip however many requests it advanced, and a lost connection never leaves half
-of a step's events written.
+dead letters) is queued in an :class:`Outbox` and sent pipelined, so a step costs one round trip
+however many requests it advanced (two when it finished some: acknowledgements go last).
 """
 
 from __future__ import annotations
@@ -142,60 +141,68 @@ class StreamReader:
 
 
 class Outbox:
-    """Commands waiting to be sent as one atomic round trip."""
+    """What one step writes, sent in (at most) two pipelined round trips.
+
+    Replies and dead letters go first; acknowledgements only after them, so a request is never
+    acknowledged without its terminal event. Plain pipelines (not MULTI/EXEC) also work across
+    Redis Cluster slots; retrying after a lost connection is safe because reply events sit at
+    fixed ids (a copy is refused) and XACK is idempotent.
+    """
 
     def __init__(self, client: redis.Redis, keys: Keys):
         self.client = client
         self.keys = keys
-        self._commands: list[tuple[str, tuple, dict]] = []
+        self._writes: list[tuple[str, tuple, dict]] = []
+        self._acks: list[tuple[str, tuple, dict]] = []
 
     def __len__(self) -> int:
-        return len(self._commands)
-
-    def _add(self, name: str, *args, **kwargs) -> None:
-        self._commands.append((name, args, kwargs))
+        return len(self._writes) + len(self._acks)
 
     def event(self, request_id: str, event: dict, ttl_s: int | None = None) -> None:
         """Append a reply event at its fixed id (a copy already there is refused by Redis);
         ``ttl_s`` (re)sets the reply stream's expiry."""
         key = self.keys.reply_stream(request_id)
-        self._add("xadd", key, protocol.encode_event(event), id=protocol.event_id(event))
+        self._writes.append(("xadd", (key, protocol.encode_event(event)), {"id": protocol.event_id(event)}))
         if ttl_s is not None:
-            self._add("expire", key, ttl_s)
+            self._writes.append(("expire", (key, ttl_s), {}))
 
     def ack(self, stream: str, entry_id: str) -> None:
-        self._add("xack", stream, GROUP, entry_id)
+        self._acks.append(("xack", (stream, GROUP, entry_id), {}))
 
     def dead_letter(self, entry: Entry, code: str, reason: str, worker: str) -> None:
-        self._add(
-            "xadd",
-            self.keys.dead_letter,
-            {
-                b"stream": entry.stream,
-                b"entry": entry.entry_id,
-                b"code": code,
-                b"reason": reason[:1000],
-                b"worker": worker,
-                b"at": str(time.time()),
-                b"body": protocol.pack(entry.fields),
-            },
-        )
+        fields = {
+            b"stream": entry.stream,
+            b"entry": entry.entry_id,
+            b"code": code,
+            b"reason": reason[:1000],
+            b"worker": worker,
+            b"at": str(time.time()),
+            b"body": protocol.pack(entry.fields),
+        }
+        self._writes.append(("xadd", (self.keys.dead_letter, fields), {}))
 
     def move(self, entry: Entry, to_stream: str, fields: dict[bytes, bytes]) -> None:
-        """Re-enqueue an entry on another stream and acknowledge it here, atomically."""
-        self._add("xadd", to_stream, fields)
+        """Re-enqueue an entry on another stream, then acknowledge it here. A crash in between
+        leaves both: the request may be served twice, and fixed reply ids keep its replies single."""
+        self._acks.append(("xadd", (to_stream, fields), {}))
         self.ack(entry.stream, entry.entry_id)
 
     def flush(self) -> list[Exception]:
-        """Send everything queued in one MULTI/EXEC. On a connection error nothing was applied and
-        everything stays queued for a retry; a command Redis refused (e.g. a reply key that a
-        client overwrote with another type) is returned, not retried: the rest of the transaction
-        was applied."""
-        if not self._commands:
-            return []
-        pipe = self.client.pipeline(transaction=True)
-        for name, args, kwargs in self._commands:
-            getattr(pipe, name)(*args, **kwargs)
-        results = pipe.execute(raise_on_error=False)
-        self._commands.clear()
-        return [r for r in results if isinstance(r, Exception) and not protocol.is_duplicate_event_error(r)]
+        """Send writes, then acknowledgements. On a connection error what is left stays queued
+        for a retry; commands Redis refused (e.g. a reply key that a client overwrote with
+        another type) are returned, not retried. Refused duplicates of reply events are dropped."""
+        errors: list[Exception] = []
+        for queue in (self._writes, self._acks):
+            if not queue:
+                continue
+            pipe = self.client.pipeline(transaction=False)
+            for name, args, kwargs in queue:
+                getattr(pipe, name)(*args, **kwargs)
+            results = pipe.execute(raise_on_error=False)
+            queue.clear()
+            for result in results:
+                if isinstance(result, (redis.ConnectionError, redis.TimeoutError)):
+                    raise result
+                if isinstance(result, Exception) and not protocol.is_duplicate_event_error(result):
+                    errors.append(result)
+        return errors
