@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 IDLE_BLOCK_MS = 500  # longest blocking read, so that a stop request is noticed promptly
 HEARTBEAT_S = 2.0
 TRIM_EVERY_S = 5.0
+FLEET_BUCKETS_TTL_S = 10.0
 BACKOFF_START_S, BACKOFF_MAX_S = 0.1, 60.0
 
 
@@ -67,6 +68,8 @@ class Worker:
         self._last_heartbeat = 0.0
         self._last_trim = time.monotonic()
         self._recovered_own = False
+        self._fleet_bucket_list: list[int] = []
+        self._fleet_buckets_at = float("-inf")
         self.requests_finished = 0
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -225,6 +228,17 @@ class Worker:
         """Decode, validate and queue one entry; anything wrong is answered or dead-lettered. A
         redelivered entry resumes from the tokens its reply stream already holds."""
         try:
+            self._admit_entry(entry, redelivered)
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise  # not the entry's fault: retried by the loop, the entry stays pending
+        except Exception as e:  # a bug must cost one request, never the worker
+            log.exception("failed to take entry %s %s", entry.stream, entry.entry_id)
+            self._refuse(
+                entry, ProtocolError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", dead_letter=True)
+            )
+
+    def _admit_entry(self, entry: Entry, redelivered: bool) -> None:
+        try:
             request = protocol.decode_request(entry.fields)
         except ProtocolError as e:
             self._refuse(entry, e)
@@ -259,7 +273,7 @@ class Worker:
         if rejection is not None:
             self._refuse(entry, ProtocolError(rejection.code, rejection.message, request_id=request.id))
 
-    def _tokens(self, request: protocol.Request) -> list[int]:
+    def _tokens(self, request: protocol.Request, largest_bucket: int | None = None) -> list[int]:
         if request.input_ids is not None:
             ids = list(request.input_ids)
             if max(ids) >= self.engine.vocab_size:
@@ -271,7 +285,7 @@ class Worker:
             return ids
         # no token spans more characters than the longest in the vocabulary: a prompt longer than
         # that times the largest bucket is refused without spending time tokenizing it
-        largest = self.config.batching.largest_bucket
+        largest = largest_bucket or self.config.batching.largest_bucket
         if len(request.prompt) > largest * self.engine.max_token_chars:
             raise ProtocolError(
                 ErrorCode.PROMPT_TOO_LONG,
@@ -298,13 +312,27 @@ class Worker:
             enqueued_wall=entry.enqueued_wall,
         )
 
+    def _fleet_buckets(self) -> list[int]:
+        """Buckets served by any worker of the fleet (ours included), refreshed every few seconds."""
+        now = time.monotonic()
+        if now - self._fleet_buckets_at > FLEET_BUCKETS_TTL_S:
+            announced = {int(b) for b in self.client.smembers(self.keys.buckets)}
+            self._fleet_bucket_list = sorted(announced | set(self.config.batching.buckets))
+            self._fleet_buckets_at = now
+        return self._fleet_bucket_list
+
     def _route(self, entry: Entry, request: protocol.Request) -> None:
-        """Tokenize an ``auto`` entry and move it to its bucket's stream."""
-        ids = self._tokens(request)
-        check = self.scheduler.batcher.check(len(ids), request.max_new_tokens)
-        if check is not None:
-            raise ProtocolError(check.code, check.message, request_id=request.id)
-        bucket = self.scheduler.batcher.bucket_for(len(ids))
+        """Tokenize an ``auto`` entry and move it to the smallest bucket of the fleet that holds
+        it (not only ours: workers may serve different buckets)."""
+        buckets = self._fleet_buckets()
+        ids = self._tokens(request, largest_bucket=buckets[-1])
+        bucket = next((b for b in buckets if len(ids) <= b), None)
+        if bucket is None:
+            raise ProtocolError(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"prompt has {len(ids)} tokens; the largest bucket served is {buckets[-1]}",
+                request_id=request.id,
+            )
         routed = dataclasses.replace(request, prompt=None, input_ids=tuple(ids))
         self.outbox.move(entry, self.keys.request_stream(bucket), protocol.encode_request(routed))
 
