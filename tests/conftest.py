@@ -146,3 +146,64 @@ def run_worker(engine, redis_url, prefix):
 @pytest.fixture
 def model_path(tiny_model: str) -> Path:
     return Path(tiny_model)
+
+
+def _cli_binary() -> str | None:
+    import shutil
+
+    return shutil.which("redis-cli") or shutil.which("valkey-cli")
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real 3-node Redis Cluster (3 masters, no replicas) on loopback ports, for this session."""
+    import subprocess
+    import time
+
+    from tokenfleet.embedded import find_server_binary
+
+    cli = _cli_binary()
+    if find_server_binary() is None or cli is None:
+        pytest.skip("needs redis-server and redis-cli")
+    nodes = []
+    try:
+        for i in range(3):
+            data = tmp_path_factory.mktemp(f"cluster{i}")
+            node = EmbeddedRedis(
+                extra_args=(
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "5000",
+                ),
+                data_dir=str(data),
+            )
+            nodes.append(node.start())
+        subprocess.run(
+            [
+                cli,
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{n.port}" for n in nodes],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            states = [redis.Redis(port=n.port).execute_command("CLUSTER", "INFO") for n in nodes]
+            if all(b"cluster_state:ok" in s for s in states):
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the cluster never reached cluster_state:ok")
+        yield nodes[0].url
+    finally:
+        for node in nodes:
+            node.stop()

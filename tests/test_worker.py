@@ -199,7 +199,17 @@ def test_raw_redis_cli_producer_is_served(run_worker, redis_url, prefix, r, refe
             capture_output=True,
         )
         out = subprocess.run(
-            [cli, "-u", redis_url, "XREAD", "BLOCK", "30000", "STREAMS", Keys(prefix).reply_stream("cli-42"), "0"],
+            [
+                cli,
+                "-u",
+                redis_url,
+                "XREAD",
+                "BLOCK",
+                "30000",
+                "STREAMS",
+                Keys(prefix).reply_stream("cli-42"),
+                "0",
+            ],
             check=True,
             capture_output=True,
         )

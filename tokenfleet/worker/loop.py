@@ -312,10 +312,10 @@ class Worker:
             enqueued_wall=entry.enqueued_wall,
         )
 
-    def _fleet_buckets(self) -> list[int]:
+    def _fleet_buckets(self, refresh: bool = False) -> list[int]:
         """Buckets served by any worker of the fleet (ours included), refreshed every few seconds."""
         now = time.monotonic()
-        if now - self._fleet_buckets_at > FLEET_BUCKETS_TTL_S:
+        if refresh or now - self._fleet_buckets_at > FLEET_BUCKETS_TTL_S:
             announced = {int(b) for b in self.client.smembers(self.keys.buckets)}
             self._fleet_bucket_list = sorted(announced | set(self.config.batching.buckets))
             self._fleet_buckets_at = now
@@ -327,6 +327,9 @@ class Worker:
         buckets = self._fleet_buckets()
         ids = self._tokens(request, largest_bucket=buckets[-1])
         bucket = next((b for b in buckets if len(ids) <= b), None)
+        if bucket is None:  # a worker with larger buckets may have joined since the last look
+            buckets = self._fleet_buckets(refresh=True)
+            bucket = next((b for b in buckets if len(ids) <= b), None)
         if bucket is None:
             raise ProtocolError(
                 ErrorCode.PROMPT_TOO_LONG,
