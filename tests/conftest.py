@@ -148,6 +148,23 @@ def model_path(tiny_model: str) -> Path:
     return Path(tiny_model)
 
 
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randint(20000, 29999)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
 def _cli_binary() -> str | None:
     import shutil
 
@@ -170,6 +187,7 @@ def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
         for i in range(3):
             data = tmp_path_factory.mktemp(f"cluster{i}")
             node = EmbeddedRedis(
+                port=_cluster_port(),
                 extra_args=(
                     "--cluster-enabled",
                     "yes",

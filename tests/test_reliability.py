@@ -166,7 +166,8 @@ def test_raw_redis_cancel_as_documented(run_worker, redis_url, prefix, r, model_
         client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
         handle = client.submit("cancel me raw", max_new_tokens=3000, ignore_eos=True)
         next(iter(handle.stream(timeout=30)))
-        r.set(f"{prefix}:cancel:{handle.id}", 1, ex=3600)
+        r.set(f"{prefix}:cancel:{handle.id}", 1, ex=3600)  # exactly as PROTOCOL.md says
+        r.xadd("{" + prefix + "}:cancels", {"id": handle.id})
         assert handle.result(timeout=30).finish_reason == "cancelled"
 
 

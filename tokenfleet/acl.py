@@ -53,7 +53,10 @@ WORKER_COMMANDS = (
         "+hset",
         "+hdel",
         "+sadd",
+        "+smembers",
         "+exists",
+        "+xread",
+        "+xrevrange",
     ]
 )
 
@@ -64,6 +67,7 @@ def producer_key_patterns(prefix: str) -> list[str]:
         f"%RW~{keys.tag}:req:*",
         f"%R~{prefix}:reply:*",
         f"%W~{prefix}:cancel:*",
+        f"%W~{keys.cancels}",
         f"%R~{keys.buckets}",
         # EVAL needs read-write access to every key it declares; +hget is the only hash command
         # producers have, so they still cannot change the limit
@@ -81,6 +85,7 @@ def worker_key_patterns(prefix: str) -> list[str]:
         f"~{keys.workers}",
         f"~{keys.max_queue}",
         f"%R~{prefix}:cancel:*",
+        f"%R~{keys.cancels}",
     ]
 
 

@@ -105,8 +105,13 @@ class Keys:
         return f"{self.prefix}:reply:{request_id}"
 
     def cancel(self, request_id: str) -> str:
-        """Exists (any value, with a TTL) when a request is cancelled; workers check it every step."""
+        """Exists (any value, with a TTL) when a request is cancelled; checked when a worker takes it."""
         return f"{self.prefix}:cancel:{request_id}"
+
+    @property
+    def cancels(self) -> str:
+        """Stream of cancelled request ids (field ``id``), read by every worker each turn."""
+        return f"{self.tag}:cancels"
 
     @property
     def dead_letter(self) -> str:

@@ -15,7 +15,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from tokenfleet import protocol
 from tokenfleet.config import prefix_from_env, redis_url_from_env
 from tokenfleet.connection import connect_async_client
-from tokenfleet.producer.client import BUCKETS_TTL_S, CANCEL_TTL_S, RECONNECT_GIVE_UP_S
+from tokenfleet.producer.client import BUCKETS_TTL_S, CANCEL_TTL_S, CANCELS_MAXLEN, RECONNECT_GIVE_UP_S
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
 from tokenfleet.producer.routing import (
     build_request,
@@ -114,7 +114,12 @@ class AsyncClient:
     async def cancel(self, request_id: str) -> None:
         """Cancel a request: if queued it never starts; if running it stops within one step and
         ends with ``done`` / finish reason ``cancelled``. Harmless on a finished request."""
-        await self.redis.set(self.keys.cancel(request_id), 1, ex=CANCEL_TTL_S)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.keys.cancel(request_id), 1, ex=CANCEL_TTL_S)  # for a worker that takes it later
+        pipe.xadd(
+            self.keys.cancels, {"id": request_id}, maxlen=CANCELS_MAXLEN, approximate=True
+        )  # running now
+        await pipe.execute()
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -26,6 +26,7 @@ from tokenfleet.protocol import TERMINAL_EVENTS, Keys
 
 BUCKETS_TTL_S = 10.0
 RECONNECT_GIVE_UP_S = 60.0  # following a reply stream survives Redis outages this long
+CANCELS_MAXLEN = 100_000  # recent cancels kept on the stream
 CANCEL_TTL_S = 24 * 3600  # long enough for a queued request to be seen
 
 
@@ -134,7 +135,12 @@ class Client:
     def cancel(self, request_id: str) -> None:
         """Cancel a request: if queued it never starts; if running it stops within one step and
         ends with ``done`` / finish reason ``cancelled``. Harmless on a finished request."""
-        self.redis.set(self.keys.cancel(request_id), 1, ex=CANCEL_TTL_S)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.keys.cancel(request_id), 1, ex=CANCEL_TTL_S)  # for a worker that takes it later
+        pipe.xadd(
+            self.keys.cancels, {"id": request_id}, maxlen=CANCELS_MAXLEN, approximate=True
+        )  # running now
+        pipe.execute()
 
     def close(self) -> None:
         self.redis.close()

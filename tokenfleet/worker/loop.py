@@ -24,6 +24,7 @@ from tokenfleet.config import WorkerConfig
 from tokenfleet.connection import connect_client
 from tokenfleet.errors import ProtocolError
 from tokenfleet.protocol import ErrorCode, Keys
+from tokenfleet.worker.cancels import CancelWatch
 from tokenfleet.worker.engine import Engine
 from tokenfleet.worker.recovery import Reclaimer, read_progress
 from tokenfleet.worker.scheduler import BatchEvent, Scheduler, StepOutput
@@ -63,6 +64,7 @@ class Worker:
         self.reader = StreamReader(self.client, streams, self.name)
         self.outbox = Outbox(self.client, self.keys)
         self.reclaimer = Reclaimer(self.client, streams, self.name, config.claim_idle_ms)
+        self.cancels = CancelWatch(self.client, self.keys)
         self._stop = threading.Event()
         self._user_on_batch = on_batch
         self._last_heartbeat = 0.0
@@ -71,6 +73,7 @@ class Worker:
         self._fleet_bucket_list: list[int] = []
         self._fleet_buckets_at = float("-inf")
         self.requests_finished = 0
+        self.time_intake_s = self.time_step_s = self.time_redis_s = 0.0
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -89,6 +92,7 @@ class Worker:
             limits = {str(b): self.config.max_queue for b in self.config.batching.buckets}
             self.client.hset(self.keys.max_queue, mapping={**limits, "auto": self.config.max_queue})
         self._heartbeat(force=True)
+        self.cancels.start()
         if not self._recovered_own:  # once per process: our own unfinished entries first
             self._recovered_own = True
             for entry in self.reader.read_own_pending(self.config.batching.max_batch_size * 4):
@@ -138,7 +142,15 @@ class Worker:
     def _teardown(self) -> None:
         with contextlib.suppress(redis.RedisError):
             self.client.hdel(self.keys.workers, self.name)
-        log.info("worker %s stopped after %d requests", self.name, self.requests_finished)
+        log.info(
+            "worker %s stopped after %d requests (%.2fs reading/waiting for work, %.2fs in model steps, "
+            "%.2fs in other Redis round trips)",
+            self.name,
+            self.requests_finished,
+            self.time_intake_s,
+            self.time_step_s,
+            self.time_redis_s,
+        )
 
     # -- one turn of the loop -------------------------------------------------------------------
 
@@ -147,10 +159,13 @@ class Worker:
             log.error("redis refused a reply write: %s", error)
 
     def _turn(self) -> None:
+        t0 = time.perf_counter()
         self._flush()  # anything a failed round trip left behind goes first
         if not self.stopping:
             self._intake()
+        t1 = time.perf_counter()
         self._enforce_cancels_and_deadlines()
+        t2 = time.perf_counter()
         try:
             outputs = self.scheduler.step(flush=self.stopping)
         except Exception as e:  # a failed forward pass fails its sequences, never the worker
@@ -160,6 +175,7 @@ class Worker:
             ):
                 self._finish_error(seq, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
             outputs = []
+        t3 = time.perf_counter()
         self._publish(outputs)
         self._flush()
         if outputs and not self._holds_work():
@@ -169,6 +185,10 @@ class Worker:
             self._last_trim = time.monotonic()
             self.reader.trim_acknowledged()
         self._heartbeat()
+        # where the time goes: waiting for (and reading) work, the model, other Redis round trips
+        self.time_intake_s += t1 - t0
+        self.time_step_s += t3 - t2
+        self.time_redis_s += (t2 - t1) + (time.perf_counter() - t3)
 
     def _log_memory(self) -> None:
         """Once a burst of work is done: how full the KV pool got, next to what a contiguous cache
@@ -399,11 +419,7 @@ class Worker:
         held = self.scheduler.held()
         if not held:
             return
-        pipe = self.client.pipeline(transaction=False)  # GETs, not MGET: the keys span cluster slots
-        for seq in held:
-            pipe.exists(self.keys.cancel(seq.request.id))
-        flags = [flag or None for flag in pipe.execute()]
-        cancelled = {seq.key for seq, flag in zip(held, flags) if flag is not None}
+        cancelled = self.cancels.cancelled(held)
         now = time.time()
         expired = {seq.key for seq in held if seq.key not in cancelled and self._expired(seq, now)}
         if not cancelled and not expired:
