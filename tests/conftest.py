@@ -225,3 +225,13 @@ def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
     finally:
         for node in nodes:
             node.stop()
+
+
+def worker_process(model: str, redis_url: str, prefix: str, *flags: str, **popen_kwargs):
+    """``tokenfleet worker`` in a process of its own (float32), on ``redis_url`` and ``prefix``."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix, **popen_kwargs.pop("env", {})}
+    command = [sys.executable, "-m", "tokenfleet", "worker", "--model", model, "--dtype", "float32", *flags]
+    return subprocess.Popen(command, env=env, **popen_kwargs)

@@ -9,6 +9,7 @@ import time
 
 import pytest
 from click.testing import CliRunner
+from conftest import worker_process
 
 from tokenfleet.cli import main
 
@@ -68,22 +69,14 @@ def test_demo_runs_end_to_end_and_forms_batches(redis_url, tmp_path):
 
 def test_worker_process_serves_cli_submit_and_exits_0_on_sigterm(redis_url, prefix, tiny_model):
     env = {"REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix}
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tokenfleet",
-            "worker",
-            "--model",
-            tiny_model,
-            "--buckets",
-            "32,64",
-            "--dtype",
-            "float32",
-            "--max-wait-ms",
-            "10",
-        ],
-        env={**os.environ, **env},
+    worker = worker_process(
+        tiny_model,
+        redis_url,
+        prefix,
+        "--buckets",
+        "32,64",
+        "--max-wait-ms",
+        "10",
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from conftest import worker_process
 from redis.cluster import RedisCluster
 
 from tokenfleet import protocol
@@ -50,30 +51,23 @@ def test_many_workers_many_producers_every_request_once(fleet_url, prefix, tiny_
     prompts = prompt_pool()
     logs = [open(tmp_path / f"w{i}.log", "w+") for i in range(3)]  # noqa: SIM115 (closed below)
     workers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tokenfleet",
-                "worker",
-                "--model",
-                tiny_model,
-                "--buckets",
-                buckets,
-                "--name",
-                f"w{i}",
-                "--threads",
-                "1",
-                "--dtype",
-                "float32",
-                "--max-batch-size",
-                "8",
-                "--max-wait-ms",
-                "10",
-                "--max-seq-len",
-                "256",
-            ],
-            env=env,
+        worker_process(
+            tiny_model,
+            fleet_url,
+            prefix,
+            "--buckets",
+            buckets,
+            "--name",
+            f"w{i}",
+            "--threads",
+            "1",
+            "--max-batch-size",
+            "8",
+            "--max-wait-ms",
+            "10",
+            "--max-seq-len",
+            "256",
+            env={"OMP_NUM_THREADS": "1"},
             stdout=logs[i],
             stderr=subprocess.STDOUT,
         )

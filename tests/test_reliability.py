@@ -2,13 +2,12 @@
 
 Real Redis, real tiny model. A "ghost" consumer stands for a worker that died holding entries."""
 
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
+from conftest import worker_process
 
 from tokenfleet import protocol
 from tokenfleet.config import DynamicBatchingConfig
@@ -79,27 +78,18 @@ def test_kill_9_mid_stream_second_worker_finishes_everything(
     prompts = ["one", "two two", "three three three", "four", "five five", "six"]
     new = 160
     keys = Keys(prefix)
-    env = {**os.environ, "REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix}
-    first = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tokenfleet",
-            "worker",
-            "--model",
-            tiny_model,
-            "--buckets",
-            "16,64",
-            "--dtype",
-            "float32",
-            "--max-wait-ms",
-            "50",
-            "--claim-idle-ms",
-            "1000",
-            "--max-seq-len",
-            "4096",
-        ],
-        env=env,
+    first = worker_process(
+        tiny_model,
+        redis_url,
+        prefix,
+        "--buckets",
+        "16,64",
+        "--max-wait-ms",
+        "50",
+        "--claim-idle-ms",
+        "1000",
+        "--max-seq-len",
+        "4096",
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

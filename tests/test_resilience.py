@@ -1,12 +1,11 @@
 """A Redis restart under load, and a graceful SIGTERM while requests are held."""
 
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
+from conftest import worker_process
 
 from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.embedded import EmbeddedRedis, find_server_binary
@@ -55,27 +54,18 @@ def test_redis_restart_under_load_every_request_ends(engine, tmp_path, prefix, r
 
 def test_sigterm_finishes_what_is_held_and_leaves_the_rest(redis_url, prefix, r, tiny_model, reference):
     keys = Keys(prefix)
-    env = {**os.environ, "REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix}
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tokenfleet",
-            "worker",
-            "--model",
-            tiny_model,
-            "--buckets",
-            "16",
-            "--dtype",
-            "float32",
-            "--max-wait-ms",
-            "20",
-            "--max-batch-size",
-            "4",
-            "--max-seq-len",
-            "512",
-        ],
-        env=env,
+    worker = worker_process(
+        tiny_model,
+        redis_url,
+        prefix,
+        "--buckets",
+        "16",
+        "--max-wait-ms",
+        "20",
+        "--max-batch-size",
+        "4",
+        "--max-seq-len",
+        "512",
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
