@@ -181,6 +181,9 @@ def model_init(directory: str, size: str, seed: int) -> None:
     default=None,
     help="Undelivered requests a bucket may hold; producers then get QueueFull.",
 )
+@click.option(
+    "--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port (/metrics)."
+)
 @click.option("--threads", type=int, default=None, help="torch intra-op threads (CPU).")
 @click.option("--name", default=None, help="Consumer name (default: host-pid-random).")
 @click.option(
@@ -209,6 +212,7 @@ def worker(
     max_attempts,
     queue_timeout_s,
     max_queue,
+    metrics_port,
     threads,
     name,
     log_level,
@@ -242,6 +246,7 @@ def worker(
             max_attempts=max_attempts,
             queue_timeout_s=queue_timeout_s,
             max_queue=max_queue,
+            metrics_port=metrics_port,
         )
     except ValueError as e:
         _fail(str(e))

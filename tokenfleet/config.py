@@ -151,6 +151,7 @@ class WorkerConfig:
     max_attempts: int = 3  # deliveries before an entry is dead-lettered
     queue_timeout_s: float | None = None  # server-side bound on waiting before the start
     max_queue: int | None = None  # undelivered entries a bucket stream may hold (producers check)
+    metrics_port: int | None = None  # serve Prometheus /metrics here
 
     def __post_init__(self) -> None:
         if self.claim_idle_ms < 100:

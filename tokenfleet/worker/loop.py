@@ -26,6 +26,7 @@ from tokenfleet.errors import ProtocolError
 from tokenfleet.protocol import ErrorCode, Keys
 from tokenfleet.worker.cancels import CancelWatch
 from tokenfleet.worker.engine import Engine
+from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.recovery import Reclaimer, read_progress
 from tokenfleet.worker.scheduler import BatchEvent, Scheduler, StepOutput
 from tokenfleet.worker.sequence import SeqState
@@ -65,6 +66,9 @@ class Worker:
         self.outbox = Outbox(self.client, self.keys)
         self.reclaimer = Reclaimer(self.client, streams, self.name, config.claim_idle_ms)
         self.cancels = CancelWatch(self.client, self.keys)
+        self.metrics = WorkerMetrics(self.name)
+        self.metrics.kv_blocks_total.set(self.engine.allocator.num_blocks)
+        self._preemptions_seen = 0
         self._stop = threading.Event()
         self._user_on_batch = on_batch
         self._last_heartbeat = 0.0
@@ -86,6 +90,9 @@ class Worker:
         return self._stop.is_set()
 
     def setup(self) -> None:
+        if self.config.metrics_port is not None and not self._metrics_served:
+            self.metrics.serve(self.config.metrics_port)
+            self._metrics_served = True
         self.reader.ensure_groups()
         self.client.sadd(self.keys.buckets, *self.config.batching.buckets)
         if self.config.max_queue is not None:
@@ -134,6 +141,7 @@ class Worker:
             self._teardown()
 
     setup_done = False
+    _metrics_served = False
 
     def _holds_work(self) -> bool:
         s = self.scheduler
@@ -185,10 +193,20 @@ class Worker:
             self._last_trim = time.monotonic()
             self.reader.trim_acknowledged()
         self._heartbeat()
+        self._update_gauges()
         # where the time goes: waiting for (and reading) work, the model, other Redis round trips
         self.time_intake_s += t1 - t0
         self.time_step_s += t3 - t2
         self.time_redis_s += (t2 - t1) + (time.perf_counter() - t3)
+
+    def _update_gauges(self) -> None:
+        s, m = self.scheduler, self.metrics
+        m.kv_blocks_used.set(self.engine.allocator.num_used_blocks)
+        m.running.set(len(s.running))
+        m.waiting.set(s.num_waiting)
+        if s.preemptions > self._preemptions_seen:
+            m.preemptions.inc(s.preemptions - self._preemptions_seen)
+            self._preemptions_seen = s.preemptions
 
     def _log_memory(self) -> None:
         """Once a burst of work is done: how full the KV pool got, next to what a contiguous cache
@@ -230,7 +248,9 @@ class Worker:
         for entry in self.reader.read(room, block):
             self._accept(entry)
         room = self.config.batching.max_batch_size - self.scheduler.num_waiting
-        for claimed in self.reclaimer.claim(room):
+        claimed_now = self.reclaimer.claim(room)
+        self.metrics.reclaims.inc(len(claimed_now))
+        for claimed in claimed_now:
             if claimed.deliveries > self.config.max_attempts:
                 self._refuse(
                     claimed.entry,
@@ -360,6 +380,7 @@ class Worker:
         self.outbox.move(entry, self.keys.request_stream(bucket), protocol.encode_request(routed))
 
     def _refuse(self, entry: Entry, error: ProtocolError) -> None:
+        self.metrics.failed(error.code)
         request_id = error.request_id or protocol.salvage_request_id(entry.fields)
         if error.dead_letter:
             log.warning("dead-lettering %s %s: %s", entry.stream, entry.entry_id, error.message)
@@ -375,8 +396,17 @@ class Worker:
     # -- results --------------------------------------------------------------------------------
 
     def _publish(self, outputs: list[StepOutput]) -> None:
+        m = self.metrics
+        m.generation_tokens.inc(len(outputs))
         for out in outputs:
             seq, req = out.seq, out.seq.request
+            if out.index == seq.resumed_tokens:  # this attempt's first token
+                m.requests_started.inc()
+                m.prompt_tokens.inc(len(seq.prompt_ids))
+                m.queue_time.observe(max(0.0, (seq.started or 0) - seq.enqueued_wall))
+                m.ttft.observe(max(0.0, seq.first_token_at - seq.enqueued_wall))
+            elif seq.prev_token_at is not None:
+                m.itl.observe(seq.last_token_at - seq.prev_token_at)
             first = out.index == 0
             self.outbox.event(
                 req.id,
@@ -400,8 +430,11 @@ class Worker:
         self.outbox.event(req.id, done, req.reply_ttl_s)
         self.outbox.ack(*seq.key)
         self.requests_finished += 1
+        self.metrics.finished(seq.finish_reason)
+        self.metrics.e2e.observe(done["timings"]["total_ms"] / 1000)
 
     def _finish_error(self, seq: SeqState, code: str, message: str) -> None:
+        self.metrics.failed(code)
         self.outbox.event(seq.request.id, protocol.error_event(code, message), seq.request.reply_ttl_s)
         self.outbox.ack(*seq.key)
 
@@ -433,7 +466,11 @@ class Worker:
                 self._finish_error(seq, ErrorCode.DEADLINE_EXCEEDED, f"the deadline passed {where}")
 
     def _on_batch(self, event: BatchEvent) -> None:
+        if event.kind == "decode":
+            self.metrics.decode_batch.observe(event.size)
         if event.kind == "prefill":
+            self.metrics.prefill_batch.observe(event.size)
+            self.metrics.padding_waste.observe(event.padding_waste)
             log.info(
                 "batch size %d (prefill, padded to %d, padding waste %.2f)",
                 event.size,

@@ -58,6 +58,8 @@ class SeqState:
     finish_reason: str | None = None
     started: float | None = None
     first_token_at: float | None = None
+    last_token_at: float | None = None
+    prev_token_at: float | None = None
     batch_size: int = 0
     decode_steps: int = 0
     batch_size_sum: int = 0
@@ -96,8 +98,10 @@ class SeqState:
 
     def append(self, token_id: int) -> None:
         """Add one generated token and decide whether the sequence is finished."""
+        now = time.time()
         if self.first_token_at is None:
-            self.first_token_at = time.time()
+            self.first_token_at = now
+        self.prev_token_at, self.last_token_at = self.last_token_at, now
         self.generated.append(token_id)
         searched = len(self.text)
         self.text += self.detok.push(token_id)

@@ -1,0 +1,54 @@
+"""Prometheus metrics scraped from a worker during a real run."""
+
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenfleet.config import DynamicBatchingConfig
+from tokenfleet.embedded import free_port
+from tokenfleet.errors import RequestFailed
+from tokenfleet.producer import Client
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "worker"))
+            samples[(s.name, labels)] = s.value
+    return samples
+
+
+def test_metrics_show_batches_latencies_and_outcomes(run_worker, redis_url, prefix, model_path):
+    port = free_port()
+    batching = DynamicBatchingConfig(max_wait_ms=50, max_batch_size=16, max_seq_len=256, buckets=(32,))
+    with run_worker(batching, metrics_port=port) as running:
+        client = Client(redis_url, model=str(model_path), prefix=prefix)
+        handles = [client.submit(f"metrics {i}", max_new_tokens=10, ignore_eos=True) for i in range(16)]
+        during = scrape(port)  # while the burst runs: the endpoint answers
+        for h in handles:
+            h.result(timeout=60)
+        too_long = client.submit(input_ids=[0] + [5] * 100, max_new_tokens=2)
+        with pytest.raises(RequestFailed):
+            too_long.result(timeout=30)
+        cancelled = client.submit("x", max_new_tokens=200, ignore_eos=True)
+        next(iter(cancelled.stream(timeout=30)))
+        cancelled.cancel()
+        assert cancelled.result(timeout=30).finish_reason == "cancelled"
+        m = scrape(port)
+    assert running.worker.requests_finished == 17
+    assert ("tokenfleet_kv_blocks_total", ()) in during
+    count = m[("tokenfleet_prefill_batch_size_count", ())]
+    mean_batch = m[("tokenfleet_prefill_batch_size_sum", ())] / count
+    assert mean_batch > 1, f"no batching visible: {mean_batch}"
+    assert m[("tokenfleet_time_to_first_token_seconds_count", ())] >= 16
+    assert m[("tokenfleet_time_to_first_token_seconds_sum", ())] > 0
+    assert m[("tokenfleet_inter_token_latency_seconds_count", ())] >= 16 * 9
+    assert m[("tokenfleet_generation_tokens_total", ())] >= 160
+    assert m[("tokenfleet_requests_finished_total", (("reason", "length"),))] == 16
+    assert m[("tokenfleet_requests_failed_total", (("code", "prompt_too_long"),))] == 1
+    assert m[("tokenfleet_requests_finished_total", (("reason", "cancelled"),))] == 1
+    assert m[("tokenfleet_decode_batch_size_count", ())] > 0
+    assert m[("tokenfleet_kv_blocks_total", ())] > 0
