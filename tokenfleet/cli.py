@@ -379,6 +379,25 @@ def acl(prefix: str | None, producer_password: str, worker_password: str) -> Non
 @main.command()
 @redis_url_option
 @prefix_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(redis_url: str | None, prefix: str | None, as_json: bool) -> None:
+    """Show the fleet from Redis alone: live workers (buckets, device, running, throughput) and
+    per-bucket queue depth, pending, oldest waiting age, dead letters."""
+    from tokenfleet.connection import connect_client
+    from tokenfleet.protocol import Keys
+    from tokenfleet.status import fleet_status, format_status
+
+    try:
+        client = connect_client(redis_url_from_env(redis_url))
+        report = fleet_status(client, Keys(prefix_from_env(prefix)))
+    except Exception as e:  # redis errors: one line, no traceback
+        _fail(f"{type(e).__name__}: {e}")
+    click.echo(json.dumps(report, indent=2) if as_json else format_status(report))
+
+
+@main.command()
+@redis_url_option
+@prefix_option
 @click.option(
     "--model",
     "model_dir",

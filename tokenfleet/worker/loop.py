@@ -69,6 +69,8 @@ class Worker:
         self.metrics = WorkerMetrics(self.name)
         self.metrics.kv_blocks_total.set(self.engine.allocator.num_blocks)
         self._preemptions_seen = 0
+        self._tokens_at_heartbeat = 0
+        self.tokens_generated = 0
         self._stop = threading.Event()
         self._user_on_batch = on_batch
         self._last_heartbeat = 0.0
@@ -398,6 +400,7 @@ class Worker:
     def _publish(self, outputs: list[StepOutput]) -> None:
         m = self.metrics
         m.generation_tokens.inc(len(outputs))
+        self.tokens_generated += len(outputs)
         for out in outputs:
             seq, req = out.seq, out.seq.request
             if out.index == seq.resumed_tokens:  # this attempt's first token
@@ -484,6 +487,10 @@ class Worker:
         now = time.time()
         if not force and now - self._last_heartbeat < HEARTBEAT_S:
             return
+        generated = self.tokens_generated
+        elapsed = now - self._last_heartbeat
+        rate = (generated - self._tokens_at_heartbeat) / elapsed if elapsed < 60 else 0.0
+        self._tokens_at_heartbeat = generated
         self._last_heartbeat = now
         s = self.scheduler
         self.client.hset(
@@ -498,6 +505,7 @@ class Worker:
                     "running": len(s.running),
                     "waiting": s.num_waiting,
                     "finished": self.requests_finished,
+                    "tokens_per_s": round(rate, 1),
                     "seen": now,
                 }
             ),

@@ -1,0 +1,54 @@
+"""`tokenfleet status` against a running worker: what it shows matches Redis."""
+
+import json
+import os
+import subprocess
+import sys
+
+from tokenfleet.protocol import GROUP, Keys
+from tokenfleet.status import fleet_status
+
+
+def test_status_shows_live_worker_and_queues_matching_redis(run_worker, redis_url, prefix, r, model_path):
+    from tokenfleet.producer import Client
+
+    keys = Keys(prefix)
+    with run_worker() as running:
+        client = Client(redis_url, model=str(model_path), prefix=prefix)
+        for h in [client.submit(f"s{i}", max_new_tokens=3) for i in range(3)]:
+            h.result(timeout=60)
+        # a bucket announced by a worker that is gone: its requests wait, undelivered
+        r.sadd(keys.buckets, 128)
+        r.xgroup_create(keys.request_stream(128), GROUP, id="0", mkstream=True)
+        for i in range(4):
+            r.xadd(keys.request_stream(128), {"id": f"w{i}", "prompt": "waiting"})
+        r.xadd(keys.request_stream(16), {"m": b"\xc1"})  # junk: dead-lettered
+        for _ in range(100):
+            if r.xlen(keys.dead_letter):
+                break
+            running.thread.join(0.05)
+        running.worker._heartbeat(force=True)
+        report = fleet_status(r, keys)
+        out = subprocess.run(
+            [sys.executable, "-m", "tokenfleet", "status", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix},
+        )
+        table = subprocess.run(
+            [sys.executable, "-m", "tokenfleet", "status"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix},
+        )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["queues"]["128"]["depth"] == 4
+    [worker] = report["workers"]
+    assert worker["name"] == running.worker.name and worker["alive"] and worker["buckets"] == [16, 32, 64]
+    assert worker["finished"] == 3
+    assert report["queues"]["128"]["depth"] == 4 and report["queues"]["128"]["oldest_waiting_s"] >= 0
+    assert report["queues"]["16"] == {"depth": 0, "pending": 0, "oldest_waiting_s": None}
+    assert report["dead_letters"] == 1 == r.xlen(keys.dead_letter)
+    assert running.worker.name[:28] in table.stdout and "dead letters: 1" in table.stdout
