@@ -13,22 +13,21 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet import protocol
-from tokenfleet.config import prefix_from_env, redis_url_from_env
+from tokenfleet.config import redis_url_from_env
 from tokenfleet.connection import connect_async_client
-from tokenfleet.producer.client import BUCKETS_TTL_S, CANCEL_TTL_S, CANCELS_MAXLEN, RECONNECT_GIVE_UP_S
+from tokenfleet.producer.base import ClientBase
+from tokenfleet.producer.client import CANCEL_TTL_S, CANCELS_MAXLEN, RECONNECT_GIVE_UP_S
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
 from tokenfleet.producer.routing import (
-    build_request,
     enqueue_args,
-    load_tokenizer,
     next_block_ms,
     queue_full_error,
     target_stream,
 )
-from tokenfleet.protocol import TERMINAL_EVENTS, Keys
+from tokenfleet.protocol import TERMINAL_EVENTS
 
 
-class AsyncClient:
+class AsyncClient(ClientBase):
     def __init__(
         self,
         redis_url: str | None = None,
@@ -38,21 +37,15 @@ class AsyncClient:
         buckets: list[int] | None = None,
         client: aioredis.Redis | None = None,
     ):
-        self.redis = client or connect_async_client(redis_url_from_env(redis_url))
-        self.keys = Keys(prefix_from_env(prefix))
-        self.tokenizer = load_tokenizer(model)
-        self._fixed_buckets = list(buckets) if buckets else None
-        self._enqueue = self.redis.register_script(protocol.ENQUEUE_SCRIPT)
-        self._buckets: list[int] = []
-        self._buckets_at = float("-inf")
+        super().__init__(
+            client or connect_async_client(redis_url_from_env(redis_url)), model, prefix, buckets
+        )
 
     async def buckets(self) -> list[int]:
-        if self._fixed_buckets is not None:
-            return self._fixed_buckets
-        if time.monotonic() - self._buckets_at > BUCKETS_TTL_S:
-            self._buckets = sorted(int(b) for b in await self.redis.smembers(self.keys.buckets))
-            self._buckets_at = time.monotonic()
-        return self._buckets
+        cached = self._cached_buckets()
+        if cached is not None:
+            return cached
+        return self._remember_buckets(await self.redis.smembers(self.keys.buckets))
 
     async def submit(
         self,
@@ -62,8 +55,7 @@ class AsyncClient:
         request_id: str | None = None,
         **params: Any,
     ) -> AsyncHandle:
-        request = build_request(prompt, input_ids, self.tokenizer, request_id, params)
-        protocol.validate_request(request.to_wire())
+        request = self._prepare(prompt, input_ids, request_id, params)
         stream = target_stream(self.keys, request, await self.buckets())
         keys, args = enqueue_args(self.keys, stream, request)
         try:

@@ -11,26 +11,24 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet import protocol
-from tokenfleet.config import prefix_from_env, redis_url_from_env
+from tokenfleet.config import redis_url_from_env
 from tokenfleet.connection import connect_client
+from tokenfleet.producer.base import ClientBase
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
 from tokenfleet.producer.routing import (
-    build_request,
     enqueue_args,
-    load_tokenizer,
     next_block_ms,
     queue_full_error,
     target_stream,
 )
-from tokenfleet.protocol import TERMINAL_EVENTS, Keys
+from tokenfleet.protocol import TERMINAL_EVENTS
 
-BUCKETS_TTL_S = 10.0
 RECONNECT_GIVE_UP_S = 60.0  # following a reply stream survives Redis outages this long
 CANCELS_MAXLEN = 100_000  # recent cancels kept on the stream
 CANCEL_TTL_S = 24 * 3600  # long enough for a queued request to be seen
 
 
-class Client:
+class Client(ClientBase):
     """Submit prompts to a tokenfleet fleet and read their results.
 
     ``redis_url`` and ``prefix`` default to ``REDIS_URL`` and ``TOKENFLEET_PREFIX`` like the CLI.
@@ -47,22 +45,14 @@ class Client:
         buckets: list[int] | None = None,
         client: redis.Redis | None = None,
     ):
-        self.redis = client or connect_client(redis_url_from_env(redis_url))
-        self.keys = Keys(prefix_from_env(prefix))
-        self.tokenizer = load_tokenizer(model)
-        self._fixed_buckets = list(buckets) if buckets else None
-        self._enqueue = self.redis.register_script(protocol.ENQUEUE_SCRIPT)
-        self._buckets: list[int] = []
-        self._buckets_at = float("-inf")
+        super().__init__(client or connect_client(redis_url_from_env(redis_url)), model, prefix, buckets)
 
     def buckets(self) -> list[int]:
         """Bucket sizes served by the fleet (announced by workers; cached for a few seconds)."""
-        if self._fixed_buckets is not None:
-            return self._fixed_buckets
-        if time.monotonic() - self._buckets_at > BUCKETS_TTL_S:
-            self._buckets = sorted(int(b) for b in self.redis.smembers(self.keys.buckets))
-            self._buckets_at = time.monotonic()
-        return self._buckets
+        cached = self._cached_buckets()
+        if cached is not None:
+            return cached
+        return self._remember_buckets(self.redis.smembers(self.keys.buckets))
 
     def submit(
         self,
@@ -79,8 +69,7 @@ class Client:
         ``params``: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
         ``stop_token_ids``, ``ignore_eos``, ``deadline_ms``, ``reply_ttl_s`` (see PROTOCOL.md).
         """
-        request = build_request(prompt, input_ids, self.tokenizer, request_id, params)
-        protocol.validate_request(request.to_wire())  # fail here, not in a worker's reply
+        request = self._prepare(prompt, input_ids, request_id, params)
         stream = target_stream(self.keys, request, self.buckets())
         keys, args = enqueue_args(self.keys, stream, request)
         try:

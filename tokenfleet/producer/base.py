@@ -1,0 +1,47 @@
+"""What the sync and asyncio clients share (no I/O here): keys, tokenizer, bucket cache, request
+building and validation, so that both behave the same."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tokenfleet import protocol
+from tokenfleet.config import prefix_from_env
+from tokenfleet.producer.routing import build_request, load_tokenizer
+from tokenfleet.protocol import Keys, Request
+
+BUCKETS_TTL_S = 10.0
+
+
+class ClientBase:
+    def __init__(self, redis_client: Any, model: str | None, prefix: str | None, buckets: list[int] | None):
+        self.redis = redis_client
+        self.keys = Keys(prefix_from_env(prefix))
+        self.tokenizer = load_tokenizer(model)
+        self._fixed_buckets = list(buckets) if buckets else None
+        self._enqueue = self.redis.register_script(protocol.ENQUEUE_SCRIPT)
+        self._buckets: list[int] = []
+        self._buckets_at = float("-inf")
+
+    def _cached_buckets(self) -> list[int] | None:
+        """The bucket list if it needs no Redis round trip (given, or fresh in the cache)."""
+        if self._fixed_buckets is not None:
+            return self._fixed_buckets
+        if time.monotonic() - self._buckets_at <= BUCKETS_TTL_S:
+            return self._buckets
+        return None
+
+    def _remember_buckets(self, members: set[bytes]) -> list[int]:
+        self._buckets = sorted(int(b) for b in members)
+        self._buckets_at = time.monotonic()
+        return self._buckets
+
+    def _prepare(
+        self, prompt: str | None, input_ids: list[int] | None, request_id: str | None, params: dict[str, Any]
+    ) -> Request:
+        """Build the request (token ids when the tokenizer is here) and fail here, not in a
+        worker's reply, if it breaks the protocol."""
+        request = build_request(prompt, input_ids, self.tokenizer, request_id, params)
+        protocol.validate_request(request.to_wire())
+        return request
