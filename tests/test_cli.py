@@ -107,3 +107,39 @@ def test_submit_without_redis_fails_with_one_line():
     out = tf("submit", "--redis-url", "redis://127.0.0.1:1/0", "--timeout", "2", "hi")
     assert out.returncode != 0
     assert "Error:" in out.stderr and "Traceback" not in out.stderr
+
+
+def dry_run(args, env=None):
+    out = CliRunner().invoke(main, ["worker", "--dry-run", *args], env=env or {})
+    assert out.exit_code == 0, out.output
+    return json.loads(out.output)
+
+
+def test_profiles_config_file_env_and_flags_layer_in_order(tiny_model, tmp_path):
+    online = dry_run(["--model", tiny_model, "--profile", "online"])["batching"]
+    assert (online["max_wait_ms"], online["max_batch_size"], online["max_seq_len"]) == (50, 16, 4096)
+    offline = dry_run(["--model", tiny_model, "--profile", "offline"])["batching"]
+    assert (offline["max_wait_ms"], offline["max_batch_size"], offline["max_seq_len"]) == (2000, 64, 8192)
+    toml = tmp_path / "worker.toml"
+    toml.write_text(
+        f'[worker]\nmodel = "{tiny_model}"\nprofile = "offline"\nmax-batch-size = 48\n'
+        f"buckets = [64, 128]\nmax_wait_ms = 700\n"
+    )
+    from_file = dry_run(["--config", str(toml)])
+    assert from_file["model"] == tiny_model
+    assert from_file["batching"]["max_batch_size"] == 48  # file beats profile
+    assert from_file["batching"]["max_seq_len"] == 8192  # profile fills the rest
+    assert from_file["batching"]["buckets"] == [64, 128]
+    env = dry_run(["--config", str(toml)], env={"TOKENFLEET_MAX_WAIT_MS": "20"})
+    assert env["batching"]["max_wait_ms"] == 20  # environment beats file
+    flag = dry_run(["--config", str(toml), "--max-wait-ms", "5"], env={"TOKENFLEET_MAX_WAIT_MS": "20"})
+    assert flag["batching"]["max_wait_ms"] == 5  # command line beats everything
+
+
+def test_config_file_typos_and_missing_model_are_one_line_errors(tmp_path):
+    toml = tmp_path / "bad.toml"
+    toml.write_text("max_wiat_ms = 10\n")
+    out = CliRunner().invoke(main, ["worker", "--config", str(toml)])
+    assert out.exit_code != 0 and "unknown settings" in out.output and "max_wiat_ms" in out.output
+    out = CliRunner().invoke(main, ["worker"])
+    assert out.exit_code != 0 and "no model" in out.output

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 
 import click
+from click.core import ParameterSource
 
 from tokenfleet.config import (
     DEFAULT_BUCKETS,
     MODES,
     PADDINGS,
+    PROFILES,
     DynamicBatchingConfig,
     KVCacheConfig,
     WorkerConfig,
+    load_config_file,
     parse_buckets,
     parse_size,
     prefix_from_env,
@@ -85,9 +90,9 @@ def model_init(directory: str, size: str, seed: int) -> None:
 @click.option(
     "--model",
     "model_dir",
-    required=True,
+    default=None,
     type=click.Path(exists=True, file_okay=False),
-    help="Local Hugging Face causal LM directory.",
+    help="Local Hugging Face causal LM directory (required, from a flag, the environment or --config).",
 )
 @redis_url_option
 @prefix_option
@@ -192,68 +197,75 @@ def model_init(directory: str, size: str, seed: int) -> None:
     show_default=True,
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
 )
-def worker(
-    model_dir,
-    redis_url,
-    prefix,
-    buckets,
-    mode,
-    max_wait_ms,
-    max_batch_size,
-    max_seq_len,
-    padding,
-    device,
-    dtype,
-    block_size,
-    num_blocks,
-    kv_cache_memory,
-    max_new_tokens_cap,
-    claim_idle_ms,
-    max_attempts,
-    queue_timeout_s,
-    max_queue,
-    metrics_port,
-    threads,
-    name,
-    log_level,
-) -> None:
-    """Serve requests from the bucket streams until SIGTERM/SIGINT (then finish what is held)."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+@click.option(
+    "--profile",
+    type=click.Choice(sorted(PROFILES)),
+    default=None,
+    help="online: max_wait_ms 50, max_batch_size 16, max_seq_len 4096; offline: 2000, 64, 8192.",
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="TOML file of worker settings (flag names as keys, top level or under [worker]).",
+)
+@click.option("--dry-run", is_flag=True, help="Print the resolved settings as JSON and exit.")
+@click.pass_context
+def worker(ctx: click.Context, **_: object) -> None:
+    """Serve requests from the bucket streams until SIGTERM/SIGINT (then finish what is held).
+
+    Every setting comes from, in order of precedence: a command-line flag, a TOKENFLEET_<FLAG>
+    environment variable (e.g. TOKENFLEET_MAX_WAIT_MS=20), the --config TOML file, the --profile,
+    the built-in default.
+    """
+    try:
+        o = resolve_settings(ctx)
+    except ValueError as e:
+        _fail(str(e))
+    if not o["model_dir"]:
+        _fail("no model: give --model DIR (or TOKENFLEET_MODEL, or model in the --config file)")
+    logging.basicConfig(
+        level=o["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         config = WorkerConfig(
-            model=model_dir,
-            redis_url=redis_url_from_env(redis_url),
-            prefix=prefix_from_env(prefix),
+            model=o["model_dir"],
+            redis_url=redis_url_from_env(o["redis_url"]),
+            prefix=prefix_from_env(o["prefix"]),
             batching=DynamicBatchingConfig(
-                max_wait_ms=max_wait_ms,
-                max_batch_size=max_batch_size,
-                max_seq_len=max_seq_len,
-                buckets=parse_buckets(buckets),
-                padding=padding,
-                mode=mode,
+                max_wait_ms=o["max_wait_ms"],
+                max_batch_size=o["max_batch_size"],
+                max_seq_len=o["max_seq_len"],
+                buckets=parse_buckets(o["buckets"]),
+                padding=o["padding"],
+                mode=o["mode"],
             ),
             kv=KVCacheConfig(
-                block_size=block_size,
-                num_blocks=num_blocks,
-                memory_bytes=parse_size(kv_cache_memory) if kv_cache_memory else None,
+                block_size=o["block_size"],
+                num_blocks=o["num_blocks"],
+                memory_bytes=parse_size(o["kv_cache_memory"]) if o["kv_cache_memory"] else None,
             ),
-            device=device,
-            dtype=dtype,
-            name=name,
-            max_new_tokens_cap=max_new_tokens_cap,
-            threads=threads,
-            claim_idle_ms=claim_idle_ms,
-            max_attempts=max_attempts,
-            queue_timeout_s=queue_timeout_s,
-            max_queue=max_queue,
-            metrics_port=metrics_port,
+            device=o["device"],
+            dtype=o["dtype"],
+            name=o["name"],
+            max_new_tokens_cap=o["max_new_tokens_cap"],
+            threads=o["threads"],
+            claim_idle_ms=o["claim_idle_ms"],
+            max_attempts=o["max_attempts"],
+            queue_timeout_s=o["queue_timeout_s"],
+            max_queue=o["max_queue"],
+            metrics_port=o["metrics_port"],
         )
     except ValueError as e:
         _fail(str(e))
-    if threads:
+    if o["dry_run"]:
+        click.echo(json.dumps(dataclasses.asdict(config), indent=2))
+        return
+    if config.threads:
         import torch
 
-        torch.set_num_threads(threads)
+        torch.set_num_threads(config.threads)
     from tokenfleet.worker.loop import Worker
 
     try:
@@ -263,6 +275,37 @@ def worker(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: w.stop())
     w.run()
+
+
+def resolve_settings(ctx: click.Context) -> dict:
+    """The command's parameters after layering: flag > TOKENFLEET_<FLAG> env > --config file >
+    --profile > default. Raises ValueError naming unknown config keys or bad values."""
+    values = dict(ctx.params)
+    from_file = load_config_file(values["config_file"]) if values.get("config_file") else {}
+    profile_name = values.get("profile") or from_file.pop("profile", None)
+    if profile_name is not None and profile_name not in PROFILES:
+        raise ValueError(f"unknown profile {profile_name!r}; use one of {sorted(PROFILES)}")
+    profile = PROFILES.get(profile_name, {})
+    known = set()
+    for param in ctx.command.params:
+        key = param.opts[0].lstrip("-").replace("-", "_")  # the flag's name: model, max_wait_ms, ...
+        known.add(key)
+        source = ctx.get_parameter_source(param.name)
+        if source not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP, None):
+            continue  # given on the command line (or by its own envvar, e.g. REDIS_URL)
+        for layer in (os.environ.get("TOKENFLEET_" + key.upper()), from_file.get(key), profile.get(key)):
+            if layer is not None:
+                if isinstance(layer, list):
+                    layer = ",".join(map(str, layer))
+                try:
+                    values[param.name] = param.type_cast_value(ctx, layer)
+                except click.BadParameter as e:
+                    raise ValueError(f"{key}: {e.message}") from e
+                break
+    unknown = set(from_file) - known
+    if unknown:
+        raise ValueError(f"unknown settings in {values['config_file']}: {', '.join(sorted(unknown))}")
+    return values
 
 
 def _client(redis_url, model_dir, prefix):

@@ -17,6 +17,24 @@ DEFAULT_PREFIX = "tokenfleet"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
+PROFILES: dict[str, dict[str, object]] = {
+    # the seed's two deployments: latency-bound chat, throughput-bound batch jobs
+    "online": {"max_wait_ms": 50, "max_batch_size": 16, "max_seq_len": 4096},
+    "offline": {"max_wait_ms": 2000, "max_batch_size": 64, "max_seq_len": 8192},
+}
+
+
+def load_config_file(path: str) -> dict[str, object]:
+    """Settings from a TOML file: keys are flag names (dashes or underscores), at the top level or
+    under ``[worker]``."""
+    import tomllib
+
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    table = data.get("worker", data)
+    return {str(k).replace("-", "_"): v for k, v in table.items() if not isinstance(v, dict)}
+
+
 def redis_url_from_env(url: str | None = None) -> str:
     """The Redis URL to use: the argument, else ``REDIS_URL``, else the local default."""
     return url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
