@@ -439,6 +439,72 @@ def status(redis_url: str | None, prefix: str | None, as_json: bool) -> None:
 
 
 @main.command()
+@click.argument("input_path", metavar="PROMPTS.jsonl", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "-o",
+    "--output",
+    "output_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Results JSONL, one line per input line, in input order.",
+)
+@redis_url_option
+@prefix_option
+@click.option(
+    "--model",
+    "model_dir",
+    default=None,
+    type=click.Path(exists=True, file_okay=False),
+    help="Model directory whose tokenizer picks the bucket (else workers route the prompts).",
+)
+@click.option("--max-new-tokens", type=int, default=None, help="Default for lines that do not set it.")
+@click.option("--window", type=int, default=64, show_default=True, help="Requests in flight at once.")
+@click.option("--enqueue", is_flag=True, help="Run it as an RQ job (JSON serializer) and print the job id.")
+def batch(input_path, output_path, redis_url, prefix, model_dir, max_new_tokens, window, enqueue) -> None:
+    """Run a JSONL file of prompts through the fleet with a progress bar; results in input order.
+    Interrupted? Run the same command again: it resumes without redoing finished prompts."""
+    from tokenfleet import bulk
+
+    defaults = {"max_new_tokens": max_new_tokens} if max_new_tokens else {}
+    url, pre = redis_url_from_env(redis_url), prefix_from_env(prefix)
+    try:
+        if enqueue:
+            job_id = bulk.enqueue_batch(url, pre, model_dir, input_path, output_path, defaults)
+            click.echo(job_id)
+            click.echo(
+                f"queued on RQ queue {bulk.RQ_QUEUE!r}; run `tokenfleet rq-worker` to process it", err=True
+            )
+            return
+        from tqdm import tqdm
+
+        total = len(bulk.read_inputs(input_path))
+        with _client(url, model_dir, pre) as client, tqdm(total=total, unit="prompt") as bar:
+            counts = bulk.run_batch(client, input_path, output_path, defaults, window, progress=bar.update)
+    except (ValueError, TokenfleetError) as e:
+        _fail(str(e))
+    click.echo(
+        f"{counts['done']} done, {counts['failed']} failed, {counts['skipped']} already in {output_path}"
+    )
+
+
+@main.command("rq-worker")
+@redis_url_option
+@click.option("--burst", is_flag=True, help="Exit once the queue is empty.")
+def rq_worker(redis_url, burst) -> None:
+    """Process tokenfleet's RQ jobs (batch --enqueue) with the JSON serializer. Plain `rq worker`
+    works too: rq worker tokenfleet --serializer rq.serializers.JSONSerializer --url URL"""
+    import redis
+    from rq import Queue, Worker
+    from rq.serializers import JSONSerializer
+
+    from tokenfleet.bulk import RQ_QUEUE
+
+    connection = redis.Redis.from_url(redis_url_from_env(redis_url))
+    queue = Queue(RQ_QUEUE, connection=connection, serializer=JSONSerializer)
+    Worker([queue], connection=connection, serializer=JSONSerializer).work(burst=burst)
+
+
+@main.command()
 @redis_url_option
 @prefix_option
 @click.option(

@@ -1,0 +1,105 @@
+"""Bulk jobs: `tokenfleet batch` with a progress bar, resumed after an interruption, and as an RQ job."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tokenfleet.config import DynamicBatchingConfig
+
+BATCHING = DynamicBatchingConfig(max_wait_ms=5, max_batch_size=16, max_seq_len=256, buckets=(16, 64))
+
+
+def write_prompts(path, n):
+    lines = [
+        json.dumps(f"bulk prompt {i}") if i % 2 else json.dumps({"prompt": f"bulk {i}", "max_new_tokens": 3})
+        for i in range(n)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def tf(args, env, **kw):
+    return subprocess.Popen([sys.executable, "-m", "tokenfleet", *args], env={**os.environ, **env}, **kw)
+
+
+def test_batch_resumes_after_interruption_without_redoing(
+    run_worker, redis_url, prefix, model_path, reference, tmp_path
+):
+    prompts, results = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
+    write_prompts(prompts, 200)
+    env = {"REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix}
+    args = [
+        "batch",
+        str(prompts),
+        "-o",
+        str(results),
+        "--model",
+        str(model_path),
+        "--max-new-tokens",
+        "4",
+        "--window",
+        "8",
+    ]
+    with run_worker(BATCHING) as running:
+        first = tf(args, env, stderr=subprocess.DEVNULL)
+        while not results.exists() or len(results.read_text().splitlines()) < 40:
+            time.sleep(0.02)
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        partial = len(results.read_text().splitlines())
+        assert partial < 200
+        second = tf(args, env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        out, err = second.communicate(timeout=300)
+        assert second.returncode == 0, err
+        finished = running.worker.requests_finished
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["index"] for r in rows] == list(range(200))  # every line once, in input order
+    assert "200/200" in err  # the progress bar
+    assert "already in" in out and "done" in out
+    assert finished == 200, f"{finished} requests served for 200 prompts: finished ones were redone"
+    assert rows[1]["token_ids"] == reference.greedy(reference.ids("bulk prompt 1"), 4)
+    assert rows[0]["token_ids"] == reference.greedy(reference.ids("bulk 0"), 3)  # per-line parameters win
+
+
+def test_batch_as_rq_job_with_json_serializer(run_worker, redis_url, prefix, model_path, r, tmp_path):
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    prompts, results = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
+    write_prompts(prompts, 20)
+    env = {"REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix}
+    with run_worker(BATCHING):
+        enq = tf(
+            [
+                "batch",
+                str(prompts),
+                "-o",
+                str(results),
+                "--model",
+                str(model_path),
+                "--max-new-tokens",
+                "2",
+                "--enqueue",
+            ],
+            env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        out, err = enq.communicate(timeout=120)
+        assert enq.returncode == 0, err
+        job_id = out.strip()
+        try:
+            worker = tf(
+                ["rq-worker", "--burst"], env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            logs, _ = worker.communicate(timeout=300)
+            assert worker.returncode == 0, logs
+            job = Job.fetch(job_id, connection=r, serializer=JSONSerializer)
+            assert job.get_status() == "finished", logs
+            assert job.return_value() == {"total": 20, "skipped": 0, "done": 20, "failed": 0}
+        finally:
+            Job.fetch(job_id, connection=r, serializer=JSONSerializer).delete()
+    assert len(results.read_text().splitlines()) == 20
