@@ -282,7 +282,9 @@ def resolve_settings(ctx: click.Context) -> dict:
     --profile > default. Raises ValueError naming unknown config keys or bad values."""
     values = dict(ctx.params)
     from_file = load_config_file(values["config_file"]) if values.get("config_file") else {}
-    profile_name = values.get("profile") or from_file.pop("profile", None)
+    profile_name = (
+        values.get("profile") or os.environ.get("TOKENFLEET_PROFILE") or from_file.pop("profile", None)
+    )
     if profile_name is not None and profile_name not in PROFILES:
         raise ValueError(f"unknown profile {profile_name!r}; use one of {sorted(PROFILES)}")
     profile = PROFILES.get(profile_name, {})
