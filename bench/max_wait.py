@@ -20,11 +20,11 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import redis
 
+from bench.common import model_or_tiny
 from tokenfleet.embedded import EmbeddedRedis
 from tokenfleet.producer import AsyncClient
 from tokenfleet.protocol import Keys
@@ -167,11 +167,7 @@ def main() -> None:
         with open(args.replot) as f:
             plot(json.load(f), args.plot)
         return
-    model = args.model
-    if model is None:
-        from tokenfleet.models import init_model
-
-        model = str(init_model(tempfile.mkdtemp(prefix="tokenfleet-bench-") + "/tiny", "tiny"))
+    model = model_or_tiny(args.model)
     rows = []
     with EmbeddedRedis() as server:
         for label, flags in CONFIGS:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import tempfile
 import time
 
+from bench.common import model_or_tiny
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
 from tokenfleet.protocol import Request
 from tokenfleet.worker.engine import Engine
@@ -107,11 +107,7 @@ def main() -> None:
     p.add_argument("--modes", default="dynamic,continuous")
     args = p.parse_args()
 
-    model = args.model
-    if model is None:
-        from tokenfleet.models import init_model
-
-        model = str(init_model(tempfile.mkdtemp(prefix="tokenfleet-bench-") + "/tiny", "tiny"))
+    model = model_or_tiny(args.model)
     engine = Engine(
         model, device="cpu", dtype=args.dtype, kv=KVCacheConfig(block_size=args.block_size, num_blocks=4096)
     )

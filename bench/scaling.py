@@ -28,6 +28,7 @@ import time
 
 import redis
 
+from bench.common import model_or_tiny
 from tokenfleet.embedded import EmbeddedRedis
 from tokenfleet.producer import Client
 from tokenfleet.protocol import Keys
@@ -135,11 +136,7 @@ def main() -> None:
     p.add_argument("--max-wait-ms", type=float, default=10)
     args = p.parse_args()
 
-    model = args.model
-    if model is None:
-        from tokenfleet.models import init_model
-
-        model = str(init_model(tempfile.mkdtemp(prefix="tokenfleet-bench-") + "/tiny", "tiny"))
+    model = model_or_tiny(args.model)
     rng = random.Random(0)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 10))) for _ in range(args.requests)]
     rows = []

@@ -69,7 +69,7 @@ class Engine:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=self.dtype, attn_implementation=attention.register()
         ).to(self.device)
-        self.model.train(False)  # inference mode for dropout and friends (what .eval() does)
+        self.model.train(False)  # inference mode: dropout and friends off
         cfg = self.model.config.get_text_config()
         num_heads = cfg.num_attention_heads
         self.num_layers = cfg.num_hidden_layers
