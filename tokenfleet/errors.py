@@ -39,7 +39,3 @@ class QueueFull(TokenfleetError):
 
 class ResultTimeout(TokenfleetError):
     """No terminal event arrived on a reply stream within the caller's timeout."""
-
-
-class NoSuchRequest(TokenfleetError):
-    """The reply stream of a request does not exist (never submitted, or its TTL expired)."""

@@ -190,7 +190,7 @@ class Worker:
         self._flush()
         if outputs and not self._holds_work():
             self._log_memory()
-        self.reclaimer.touch(seq.key for seq in self.scheduler.held())
+        self.reclaimer.touch(lambda: [seq.key for seq in self.scheduler.held()])
         if time.monotonic() - self._last_trim > TRIM_EVERY_S:
             self._last_trim = time.monotonic()
             self.reader.trim_acknowledged()

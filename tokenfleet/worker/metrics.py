@@ -26,6 +26,9 @@ class WorkerMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, ("worker",), buckets=buckets, registry=r).labels(**labels)
 
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ("worker",), registry=r).labels(**labels)
+
         self.requests_started = counter(
             "tokenfleet_requests_started", "Requests whose first prefill ran."
         ).labels(**labels)
@@ -60,18 +63,10 @@ class WorkerMetrics:
         self.padding_waste = histogram(
             "tokenfleet_padding_waste_ratio", "Padded tokens / real tokens per prefill.", WASTE_BUCKETS
         )
-        self.kv_blocks_used = Gauge(
-            "tokenfleet_kv_blocks_used", "KV blocks in use.", ("worker",), registry=r
-        ).labels(**labels)
-        self.kv_blocks_total = Gauge(
-            "tokenfleet_kv_blocks_total", "KV blocks in the pool.", ("worker",), registry=r
-        ).labels(**labels)
-        self.waiting = Gauge(
-            "tokenfleet_requests_waiting", "Read, not started.", ("worker",), registry=r
-        ).labels(**labels)
-        self.running = Gauge(
-            "tokenfleet_requests_running", "Running sequences.", ("worker",), registry=r
-        ).labels(**labels)
+        self.kv_blocks_used = gauge("tokenfleet_kv_blocks_used", "KV blocks in use.")
+        self.kv_blocks_total = gauge("tokenfleet_kv_blocks_total", "KV blocks in the pool.")
+        self.waiting = gauge("tokenfleet_requests_waiting", "Read, not started.")
+        self.running = gauge("tokenfleet_requests_running", "Running sequences.")
         self._labels = labels
 
     def finished(self, reason: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import redis
@@ -40,15 +40,15 @@ class Reclaimer:
         self._last_touch = time.monotonic()
         self.reclaimed = 0
 
-    def touch(self, held: Iterable[tuple[str, str]]) -> None:
-        """Reset the idle time of the entries this worker holds, at most every third of the
-        claim timeout, so that no one takes them while we work on them."""
+    def touch(self, held: Callable[[], Iterable[tuple[str, str]]]) -> None:
+        """Reset the idle time of the entries this worker holds (``held()`` lists them, asked only
+        when due: at most every third of the claim timeout), so no one takes them while we work."""
         now = time.monotonic()
         if (now - self._last_touch) * 1000 < self.claim_idle_ms / 3:
             return
         self._last_touch = now
         by_stream: dict[str, list[str]] = {}
-        for stream, entry_id in held:
+        for stream, entry_id in held():
             by_stream.setdefault(stream, []).append(entry_id)
         if not by_stream:
             return
