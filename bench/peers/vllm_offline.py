@@ -1,10 +1,10 @@
 """Run a bench.compare workload through vLLM's offline engine; runs inside vLLM's own virtualenv.
 
 Reads the workload as JSON on stdin ({"model", "dtype", "max_batch_size", "max_seq_len",
-"requests": [{"prompt_ids", "max_new_tokens", "arrival_s"}]}) and prints one JSON line of
-results. Arrivals are honoured by adding requests to the engine when their time comes (the
-poisson workload); fixed and mixed workloads arrive at once. Never imports tokenfleet: the two
-virtualenvs have different packages.
+"requests": [{"prompt_ids", "max_new_tokens", "arrival_s"}]}) and writes the results as JSON to
+the path given as the only argument (vLLM logs to stdout). Arrivals are honoured by adding
+requests to the engine when their time comes (poisson); fixed and mixed arrive at once.
+Never imports tokenfleet: the two virtualenvs have different packages.
 """
 
 from __future__ import annotations
@@ -63,16 +63,17 @@ def main() -> None:
             if out.finished:
                 outputs[out.request_id] = list(ids)
     wall = time.perf_counter() - start
-    print(
-        json.dumps(
-            {
-                "wall_s": wall,
-                "token_ids": [outputs[str(i)] for i in range(len(requests))],
-                "submitted_at": [submitted_at[str(i)] for i in range(len(requests))],
-                "token_times": [token_times[str(i)] for i in range(len(requests))],
-            }
+    with open(sys.argv[1], "w") as f:
+        f.write(
+            json.dumps(
+                {
+                    "wall_s": wall,
+                    "token_ids": [outputs[str(i)] for i in range(len(requests))],
+                    "submitted_at": [submitted_at[str(i)] for i in range(len(requests))],
+                    "token_times": [token_times[str(i)] for i in range(len(requests))],
+                }
+            )
         )
-    )
 
 
 if __name__ == "__main__":

