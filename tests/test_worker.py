@@ -113,6 +113,25 @@ def test_async_client_streams_and_result_replays_later(run_worker, redis_url, pr
     assert other.result(handles[0].id, timeout=5).token_ids == later[0].token_ids
 
 
+def test_stream_interval_sends_several_tokens_per_event_and_loses_none(
+    run_worker, redis_url, prefix, r, model_path, reference
+):
+    prompts = ["Hello", "a b c", "queue stream token"]
+    with run_worker(stream_interval_ms=10_000):
+        client = Client(redis_url, model=str(model_path), prefix=prefix)
+        handles = [client.submit(p, max_new_tokens=24, ignore_eos=True) for p in prompts]
+        results = [h.result(timeout=120) for h in handles]
+    for prompt, handle, res in zip(prompts, handles, results):
+        assert res.token_ids == reference.greedy(reference.ids(prompt), 24, ignore_eos=True)
+        events = reply_events(r, prefix, handle.id)
+        tokens = [e for e in events if e["type"] == "token"]
+        # the first token goes at once (TTFT), the other 23 wait for the interval: the end sends them
+        assert [len(e["ids"]) for e in tokens] == [1, 23]
+        assert [e["index"] for e in tokens] == [0, 1]
+        assert "".join(e["text"] for e in tokens) == res.text
+        assert events[-1]["type"] == "done"
+
+
 def test_prompt_without_tokenizer_goes_through_auto_stream(run_worker, redis_url, prefix, r, reference):
     with run_worker():
         client = Client(redis_url, prefix=prefix)  # no model: cannot tokenize

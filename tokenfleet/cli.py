@@ -187,6 +187,14 @@ def model_init(directory: str, size: str, seed: int) -> None:
     help="Undelivered requests a bucket may hold; producers then get QueueFull.",
 )
 @click.option(
+    "--stream-interval-ms",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Send a request's tokens at most this often, several per event (0: every token as made; "
+    "the first and last always at once). Fewer Redis writes and client wake-ups per token.",
+)
+@click.option(
     "--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port (/metrics)."
 )
 @click.option("--threads", type=int, default=None, help="torch intra-op threads (CPU).")
@@ -201,7 +209,8 @@ def model_init(directory: str, size: str, seed: int) -> None:
     "--profile",
     type=click.Choice(sorted(PROFILES)),
     default=None,
-    help="online: max_wait_ms 50, max_batch_size 16, max_seq_len 4096; offline: 2000, 64, 8192.",
+    help="online: max_wait_ms 50, max_batch_size 16, max_seq_len 4096; offline: 2000, 64, 8192 and "
+    "stream_interval_ms 200.",
 )
 @click.option(
     "--config",
@@ -256,6 +265,7 @@ def worker(ctx: click.Context, **_: object) -> None:
             queue_timeout_s=o["queue_timeout_s"],
             max_queue=o["max_queue"],
             metrics_port=o["metrics_port"],
+            stream_interval_ms=o["stream_interval_ms"],
         )
     except ValueError as e:
         _fail(str(e))

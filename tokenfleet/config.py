@@ -20,7 +20,7 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 PROFILES: dict[str, dict[str, object]] = {
     # the seed's two deployments: latency-bound chat, throughput-bound batch jobs
     "online": {"max_wait_ms": 50, "max_batch_size": 16, "max_seq_len": 4096},
-    "offline": {"max_wait_ms": 2000, "max_batch_size": 64, "max_seq_len": 8192},
+    "offline": {"max_wait_ms": 2000, "max_batch_size": 64, "max_seq_len": 8192, "stream_interval_ms": 200},
 }
 
 
@@ -170,6 +170,7 @@ class WorkerConfig:
     queue_timeout_s: float | None = None  # server-side bound on waiting before the start
     max_queue: int | None = None  # undelivered entries a bucket stream may hold (producers check)
     metrics_port: int | None = None  # serve Prometheus /metrics here
+    stream_interval_ms: float = 0.0  # coalesce a request's tokens into one event per interval
 
     def __post_init__(self) -> None:
         if self.claim_idle_ms < 100:
@@ -182,5 +183,7 @@ class WorkerConfig:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.stream_interval_ms < 0:
+            raise ValueError(f"stream_interval_ms must be >= 0, got {self.stream_interval_ms!r}")
         if self.max_new_tokens_cap < 1:
             raise ValueError(f"max_new_tokens_cap must be >= 1, got {self.max_new_tokens_cap!r}")

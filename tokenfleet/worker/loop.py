@@ -401,25 +401,42 @@ class Worker:
         m = self.metrics
         m.generation_tokens.inc(len(outputs))
         self.tokens_generated += len(outputs)
+        interval = self.config.stream_interval_ms / 1000
+        now = time.monotonic()
         for out in outputs:
-            seq, req = out.seq, out.seq.request
-            if out.index == seq.resumed_tokens:  # this attempt's first token
+            seq = out.seq
+            first = out.index == seq.resumed_tokens  # this attempt's first token
+            if first:
                 m.requests_started.inc()
                 m.prompt_tokens.inc(len(seq.prompt_ids))
                 m.queue_time.observe(max(0.0, (seq.started or 0) - seq.enqueued_wall))
                 m.ttft.observe(max(0.0, seq.first_token_at - seq.enqueued_wall))
             elif seq.prev_token_at is not None:
                 m.itl.observe(seq.last_token_at - seq.prev_token_at)
-            first = out.index == 0
-            self.outbox.event(
-                req.id,
-                protocol.token_event(out.index, [out.token_id], out.text),
-                req.reply_ttl_s if first else None,
-            )
+            seq.unsent_ids.append(out.token_id)
+            seq.unsent_text += out.text
+            # the first token goes at once (TTFT); later ones wait for the stream interval
+            if first or out.finished or now - seq.last_sent_at >= interval:
+                self._send_tokens(seq, now)
             if out.finished:
                 self._finish(seq)
 
+    def _send_tokens(self, seq: SeqState, now: float | None = None) -> None:
+        """Publish the tokens ``seq`` made since its last token event, as one event."""
+        if not seq.unsent_ids:
+            return
+        req = seq.request
+        index = len(seq.generated) - len(seq.unsent_ids)
+        self.outbox.event(
+            req.id,
+            protocol.token_event(index, seq.unsent_ids, seq.unsent_text),
+            req.reply_ttl_s if index == 0 else None,  # the event that creates the stream sets its TTL
+        )
+        seq.unsent_ids, seq.unsent_text = [], ""
+        seq.last_sent_at = time.monotonic() if now is None else now
+
     def _finish(self, seq: SeqState) -> None:
+        self._send_tokens(seq)  # tokens still held back by the stream interval go before the end
         req = seq.request
         done = protocol.done_event(
             seq.finish_reason,
@@ -438,6 +455,7 @@ class Worker:
 
     def _finish_error(self, seq: SeqState, code: str, message: str) -> None:
         self.metrics.failed(code)
+        self._send_tokens(seq)
         self.outbox.event(seq.request.id, protocol.error_event(code, message), seq.request.reply_ttl_s)
         self.outbox.ack(*seq.key)
 

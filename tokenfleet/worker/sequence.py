@@ -65,6 +65,9 @@ class SeqState:
     batch_size_sum: int = 0
     preemptions: int = 0
     resumed_tokens: int = 0  # tokens already streamed by an earlier attempt, not re-sent
+    unsent_ids: list[int] = field(default_factory=list)  # made but not yet published (coalescing)
+    unsent_text: str = ""
+    last_sent_at: float = 0.0  # monotonic time of the last token event
 
     def __post_init__(self) -> None:
         self.detok = Detokenizer(self.tokenizer)
