@@ -67,6 +67,8 @@ class PagedKVStore:
 
         def take(store: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
             tokens = torch.index_select(store, 0, flat, out=buffer[:rows])
-            return tokens.view(batch, nblocks * self.block_size, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            return tokens.view(batch, nblocks * self.block_size, self.num_kv_heads, self.head_dim).transpose(
+                1, 2
+            )
 
         return take(self.k[layer], self._gathered_k), take(self.v[layer], self._gathered_v)

@@ -119,7 +119,9 @@ def read_progress(client: redis.Redis, keys: Keys, request_id: str) -> Progress:
     finished = False
     for _, fields in client.xrange(keys.reply_stream(request_id)):
         event = protocol.decode_event(fields)
-        if event["type"] == EventType.TOKEN and event["index"] <= len(ids) < event["index"] + len(event["ids"]):
+        if event["type"] == EventType.TOKEN and event["index"] <= len(ids) < event["index"] + len(
+            event["ids"]
+        ):
             ids.extend(event["ids"][len(ids) - event["index"] :])  # chunks of two racing attempts may overlap
             texts.append(event.get("text", ""))
         elif event["type"] in protocol.TERMINAL_EVENTS:
