@@ -10,6 +10,7 @@ Without it (e.g. ``model.generate``) the function falls back to plain SDPA.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,16 +27,19 @@ class StepMetadata:
     ``write_index`` selects the real (non-pad) tokens among the ``B*T`` flattened ones (None: all);
     ``write_blocks``/``write_offsets`` are their places in the store. In prefill, attention runs over
     the step's own keys under ``mask`` ``[B, 1, T, T]``; in decode, over the keys gathered through
-    ``block_tables`` ``[B, max_blocks]`` under ``mask`` ``[B, 1, 1, max_blocks * block_size]``.
+    ``block_tables`` ``[B, max_blocks]`` under ``mask`` ``[B, 1, 1, max_blocks * block_size]``, or,
+    with ``kernel``, in place in the pool up to ``lengths`` (no gather, no mask).
     """
 
     store: PagedKVStore
     is_prefill: bool
     write_blocks: torch.Tensor
     write_offsets: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     write_index: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None  # decode: tokens each sequence attends to
+    kernel: Any = None  # decode: the CPU paged kernel (reads the pool in place), None: gather + SDPA
 
 
 def paged_attention(
@@ -63,6 +67,12 @@ def paged_attention(
     if meta.write_index is not None:
         new_k, new_v = new_k.index_select(0, meta.write_index), new_v.index_select(0, meta.write_index)
     meta.store.write(layer, meta.write_blocks, meta.write_offsets, new_k, new_v)
+    if meta.kernel is not None and not meta.is_prefill:
+        scale = scaling if scaling is not None else head_dim**-0.5
+        out = meta.kernel.paged_decode_attention(
+            query[:, :, 0], meta.store.k[layer], meta.store.v[layer], meta.block_tables, meta.lengths, scale
+        )
+        return out[:, None], None  # [B, 1, heads, head_dim]
     if meta.is_prefill:
         keys, values = key, value
     else:

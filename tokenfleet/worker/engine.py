@@ -16,6 +16,7 @@ from tokenfleet.config import KVCacheConfig
 from tokenfleet.kvcache.allocator import BlockAllocator
 from tokenfleet.kvcache.store import PagedKVStore
 from tokenfleet.worker import attention
+from tokenfleet.worker.cpu_kernels import paged_decode_kernel
 from tokenfleet.worker.device import select_device, select_dtype
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,9 @@ class Engine:
             self.dtype,
         )
         self.allocator = BlockAllocator(num_blocks, kv.block_size)
+        # decode attention straight from the pool on CPU; elsewhere (and without a compiler) the
+        # blocks are gathered and SDPA runs on the copy
+        self.decode_kernel = paged_decode_kernel() if self.device.type == "cpu" else None
         self.eos_token_ids = self._eos_ids()
         self.max_token_chars = self._max_token_chars()
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -193,14 +197,20 @@ class Engine:
         offsets = [(n - 1) % self.block_size for n in lengths]
         dev = self.device
         length_t = torch.tensor(lengths, device=dev)
-        key_pos = torch.arange(width * self.block_size, device=dev)
+        if self.decode_kernel is None:
+            key_pos = torch.arange(width * self.block_size, device=dev)
+            mask = (key_pos[None, :] < length_t[:, None])[:, None, None, :]
+        else:
+            mask = None  # the kernel stops at each sequence's length
         meta = attention.StepMetadata(
             store=self.store,
             is_prefill=False,
             write_blocks=torch.tensor(blocks, device=dev),
             write_offsets=torch.tensor(offsets, device=dev),
-            mask=(key_pos[None, :] < length_t[:, None])[:, None, None, :],
+            mask=mask,
             block_tables=torch.tensor(padded, device=dev),
+            lengths=length_t,
+            kernel=self.decode_kernel,
         )
         input_ids = torch.tensor(last_tokens, dtype=torch.long, device=dev)[:, None]
         hidden = self._forward(input_ids, (length_t - 1)[:, None], meta)
