@@ -52,6 +52,8 @@ ROWS = (
     "hf-generate-batch-cb",
     "tokenfleet-engine",
     "tokenfleet-e2e",
+    "tokenfleet-engine-compile",
+    "tokenfleet-e2e-compile",
     "vllm-default",
     "vllm-best",
 )
@@ -270,14 +272,18 @@ def run_hf_cb(model, reqs: list[Req], max_batch_size: int) -> dict:
     return summarize("hf-generate-batch-cb", traces, wall, "transformers ContinuousBatchingManager")
 
 
-def run_engine(model_dir: str, dtype: str, reqs: list[Req], max_batch_size: int, max_seq_len: int) -> dict:
+def run_engine(
+    model_dir: str, dtype: str, reqs: list[Req], max_batch_size: int, max_seq_len: int, compile: bool = False
+) -> dict:
     from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
     from tokenfleet.protocol import Request
     from tokenfleet.worker.engine import Engine
     from tokenfleet.worker.scheduler import Scheduler
     from tokenfleet.worker.sequence import SeqState
 
-    engine = Engine(model_dir, dtype=dtype, kv=KVCacheConfig(num_blocks=pool_blocks(reqs, max_batch_size)))
+    kv = KVCacheConfig(num_blocks=pool_blocks(reqs, max_batch_size))
+    engine = Engine(model_dir, dtype=dtype, kv=kv, compile=compile, max_batch_size=max_batch_size)
+    engine.warm_up()  # compiles (when asked) before the clock starts, as the worker does
     batching = DynamicBatchingConfig(
         mode="continuous",
         max_wait_ms=0,
@@ -319,10 +325,10 @@ def run_engine(model_dir: str, dtype: str, reqs: list[Req], max_batch_size: int,
     start = time.perf_counter()
     serve(list(zip(reqs, traces)))
     return summarize(
-        "tokenfleet-engine",
+        "tokenfleet-engine" + ("-compile" if compile else ""),
         traces,
         time.perf_counter() - start,
-        "scheduler + paged engine, continuous, in process",
+        "scheduler + paged engine, continuous, in process" + (", compiled decode" if compile else ""),
     )
 
 
@@ -339,7 +345,14 @@ def allocator_env() -> dict[str, str]:
 
 
 def run_e2e(
-    model_dir: str, dtype: str, reqs: list[Req], max_batch_size: int, max_seq_len: int, wait_ms: float
+    model_dir: str,
+    dtype: str,
+    reqs: list[Req],
+    max_batch_size: int,
+    max_seq_len: int,
+    wait_ms: float,
+    stream_interval_ms: float = 0.0,
+    compile: bool = False,
 ) -> dict:
     import redis
 
@@ -372,6 +385,9 @@ def run_e2e(
                 str(max_batch_size),
                 "--num-blocks",
                 str(pool_blocks(reqs, max_batch_size)),
+                "--stream-interval-ms",
+                str(stream_interval_ms),
+                "--compile" if compile else "--no-compile",
             ],
             env=env,
             stdout=subprocess.DEVNULL,
@@ -388,7 +404,9 @@ def run_e2e(
             worker.send_signal(signal.SIGTERM)
             worker.wait(120)
     note = f"worker process + Redis, {len(reqs)} concurrent clients, max_wait_ms {wait_ms:g}"
-    return summarize("tokenfleet-e2e", traces, wall, note + (", tcmalloc" if allocator_env() else ""))
+    note += f", stream_interval_ms {stream_interval_ms:g}" + (", compiled decode" if compile else "")
+    note += ", tcmalloc" if allocator_env() else ""
+    return summarize("tokenfleet-e2e" + ("-compile" if compile else ""), traces, wall, note)
 
 
 async def drive_clients(url: str, model_dir: str, prefix: str, reqs: list[Req], client_cls):
@@ -458,7 +476,7 @@ def run_vllm(
         Trace(sub, times, ids)
         for sub, times, ids in zip(data["submitted_at"], data["token_times"], data["token_ids"])
     ]
-    note = "offline LLMEngine" + (", tcmalloc+libiomp5 preload, threads bound" if best else "")
+    note = "offline LLMEngine" + (", tcmalloc+libiomp5 preload, threads bound" if best else ", memory 0.5")
     return summarize(name, traces, data["wall_s"], note)
 
 
@@ -549,6 +567,12 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=8.0, help="poisson: requests per second")
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="tokenfleet-e2e's worker")
+    p.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=0.0,
+        help="tokenfleet-e2e's worker (0: every token its own event)",
+    )
     p.add_argument("--b1-requests", type=int, default=4, help="requests hf-generate-b1 runs")
     p.add_argument("--only", help=f"comma-separated rows among {','.join(ROWS)}")
     p.add_argument("--seed", type=int, default=0)
@@ -596,7 +620,23 @@ def main() -> None:
             model_dir, args.dtype, reqs, args.max_batch_size, max_seq_len
         ),
         "tokenfleet-e2e": lambda: run_e2e(
-            model_dir, args.dtype, reqs, args.max_batch_size, max_seq_len, args.max_wait_ms
+            model_dir,
+            args.dtype,
+            reqs,
+            args.max_batch_size,
+            max_seq_len,
+            args.max_wait_ms,
+            args.stream_interval_ms,
+        ),
+        "tokenfleet-e2e-compile": lambda: run_e2e(
+            model_dir,
+            args.dtype,
+            reqs,
+            args.max_batch_size,
+            max_seq_len,
+            args.max_wait_ms,
+            args.stream_interval_ms,
+            compile=True,
         ),
         "vllm-default": lambda: run_vllm(
             model_dir, args.dtype, reqs, args.max_batch_size, max_seq_len, best=False

@@ -26,6 +26,8 @@ def main() -> None:
             max_model_len=spec["max_seq_len"],
             max_num_seqs=spec["max_batch_size"],
             seed=0,
+            # the default (0.92 of RAM) refuses to start on a machine where anything else runs
+            gpu_memory_utilization=spec.get("memory_utilization", 0.5),
         )
     )
 

@@ -1,8 +1,9 @@
 """Torch storage of the paged KV cache: one K and one V tensor per layer, indexed by block id.
 
 Layout ``[num_blocks, block_size, kv_heads, head_dim]`` (token-major): a step's new K/V rows go in
-without a transpose, and one ``index_select`` of a sequence's blocks is already its keys in token
-order; attention reads them through a transposed *view*, so decode copies the cache once, not twice.
+without a transpose, a token's heads are one contiguous row (the CPU decode kernel streams them in
+order), and one ``index_select`` of a sequence's blocks is already its keys in token order (the
+gather fallback reads them through a transposed view: one copy, not two).
 """
 
 from __future__ import annotations
@@ -29,11 +30,6 @@ class PagedKVStore:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        # Gather buffers reused by every layer and step: a fresh multi-MB tensor per gather costs
-        # page faults that double the copy time on CPU. Layers run one after another, so one
-        # pair suffices; it grows to the largest batch seen.
-        self._gathered_k = torch.empty((0, *shape[1:]), device=device, dtype=dtype)
-        self._gathered_v = torch.empty_like(self._gathered_k)
 
     @staticmethod
     def bytes_per_block(
@@ -56,19 +52,21 @@ class PagedKVStore:
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of each sequence in ``block_tables`` ``[B, max_blocks]`` as ``[B, kv_heads, max_blocks *
-        block_size, head_dim]`` views of one gathered copy (slots past a sequence's length hold stale
-        data: mask them)."""
+        block_size, head_dim]`` (slots past a sequence's length hold stale data: mask them)."""
+        return self.gather_from(self.k[layer], self.v[layer], block_tables)
+
+    @staticmethod
+    def gather_from(
+        k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`gather` on one layer's pool tensors ``[blocks, block, kv_heads, head_dim]``: one
+        copy each, returned as transposed views."""
         batch, nblocks = block_tables.shape
+        _, block_size, kv_heads, head_dim = k_cache.shape
         flat = block_tables.reshape(-1)
-        rows = flat.numel()
-        if self._gathered_k.shape[0] < rows:
-            self._gathered_k = self._gathered_k.new_empty((rows, *self._gathered_k.shape[1:]))
-            self._gathered_v = torch.empty_like(self._gathered_k)
 
-        def take(store: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-            tokens = torch.index_select(store, 0, flat, out=buffer[:rows])
-            return tokens.view(batch, nblocks * self.block_size, self.num_kv_heads, self.head_dim).transpose(
-                1, 2
-            )
+        def take(store: torch.Tensor) -> torch.Tensor:
+            tokens = store.index_select(0, flat).view(batch, nblocks * block_size, kv_heads, head_dim)
+            return tokens.transpose(1, 2)
 
-        return take(self.k[layer], self._gathered_k), take(self.v[layer], self._gathered_v)
+        return take(k_cache), take(v_cache)

@@ -10,12 +10,12 @@ Without it (e.g. ``model.generate``) the function falls back to plain SDPA.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from tokenfleet.kvcache.store import PagedKVStore
+from tokenfleet.worker.cpu_kernels import paged_decode_kernel
 
 PAGED_ATTENTION = "tokenfleet_paged"
 
@@ -24,22 +24,83 @@ PAGED_ATTENTION = "tokenfleet_paged"
 class StepMetadata:
     """Where this step's K/V go in the store and which keys each query may see.
 
-    ``write_index`` selects the real (non-pad) tokens among the ``B*T`` flattened ones (None: all);
-    ``write_blocks``/``write_offsets`` are their places in the store. In prefill, attention runs over
-    the step's own keys under ``mask`` ``[B, 1, T, T]``; in decode, over the keys gathered through
-    ``block_tables`` ``[B, max_blocks]`` under ``mask`` ``[B, 1, 1, max_blocks * block_size]``, or,
-    with ``kernel``, in place in the pool up to ``lengths`` (no gather, no mask).
+    Every one of the step's ``B*T`` tokens is written at its (``write_blocks``, ``write_offsets``)
+    place (padding tokens to the store's scratch block). Prefill is packed: the model sees the
+    prompts laid end to end (``[1, N]``: no padding in the matmuls), and attention scatters them
+    to ``[B, L]`` rows by ``pack_index`` (each token's place in ``B*L``) to run under ``mask``
+    ``[B, 1, L, L]``, then packs the result back. In decode, over each sequence's ``lengths`` keys found
+    through ``block_tables`` ``[B, max_blocks]``: read in place by the CPU kernel (``use_kernel``),
+    or gathered and masked by ``mask`` ``[B, 1, 1, max_blocks * block_size]``.
     """
 
     store: PagedKVStore
     is_prefill: bool
     write_blocks: torch.Tensor
     write_offsets: torch.Tensor
-    mask: torch.Tensor | None
-    write_index: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
-    lengths: torch.Tensor | None = None  # decode: tokens each sequence attends to
-    kernel: Any = None  # decode: the CPU paged kernel (reads the pool in place), None: gather + SDPA
+    lengths: torch.Tensor | None = None
+    use_kernel: bool = False
+    pack_index: torch.Tensor | None = None
+    padded_shape: tuple[int, int] = (0, 0)  # prefill: (B, L) of the attention rows
+
+
+@torch.library.custom_op("tokenfleet::paged_attention", mutates_args=("k_cache", "v_cache"))
+def paged_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    write_blocks: torch.Tensor,
+    write_offsets: torch.Tensor,
+    mask: torch.Tensor | None,
+    block_tables: torch.Tensor | None,
+    lengths: torch.Tensor | None,
+    scale: float,
+    use_kernel: bool,
+    pack_index: torch.Tensor | None = None,
+    rows: int = 0,
+    width: int = 0,
+) -> torch.Tensor:
+    """Write this step's K/V into one layer of the pool, attend, return ``[B, T, heads, head_dim]``.
+
+    One opaque op (it mutates the pool), so ``torch.compile`` can compile the model around it."""
+    batch, kv_heads, steps, head_dim = key.shape
+    k_cache[write_blocks, write_offsets] = key.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim)
+    v_cache[write_blocks, write_offsets] = value.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim)
+    gqa = kv_heads != query.shape[1]
+    if block_tables is None:  # prefill: the step's own keys
+        if pack_index is None:
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa
+            )
+            return out.transpose(1, 2).contiguous()
+        q, k, v = (unpack(t, pack_index, rows, width) for t in (query, key, value))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        heads = query.shape[1]
+        return out.transpose(1, 2).reshape(rows * width, heads, head_dim).index_select(0, pack_index)[None]
+    if use_kernel:
+        kernel = paged_decode_kernel()
+        return kernel.paged_decode_attention(query[:, :, 0], k_cache, v_cache, block_tables, lengths, scale)[
+            :, None
+        ]
+    keys, values = PagedKVStore.gather_from(k_cache, v_cache, block_tables)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous()
+
+
+def unpack(packed: torch.Tensor, pack_index: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """``[1, heads, N, head_dim]`` packed tokens to ``[rows, heads, width, head_dim]`` (zeros between)."""
+    _, heads, _, head_dim = packed.shape
+    padded = packed.new_zeros(rows * width, heads, head_dim)
+    padded[pack_index] = packed[0].transpose(0, 1)
+    return padded.view(rows, width, heads, head_dim).transpose(1, 2)
+
+
+@paged_attention_op.register_fake
+def _(query, key, value, k_cache, v_cache, *args, **kwargs):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
 
 
 def paged_attention(
@@ -61,26 +122,24 @@ def paged_attention(
         )
     meta = tokenfleet_step
     layer = module.layer_idx
-    batch, kv_heads, steps, head_dim = key.shape
-    new_k = key.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim)
-    new_v = value.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim)
-    if meta.write_index is not None:
-        new_k, new_v = new_k.index_select(0, meta.write_index), new_v.index_select(0, meta.write_index)
-    meta.store.write(layer, meta.write_blocks, meta.write_offsets, new_k, new_v)
-    if meta.kernel is not None and not meta.is_prefill:
-        scale = scaling if scaling is not None else head_dim**-0.5
-        out = meta.kernel.paged_decode_attention(
-            query[:, :, 0], meta.store.k[layer], meta.store.v[layer], meta.block_tables, meta.lengths, scale
-        )
-        return out[:, None], None  # [B, 1, heads, head_dim]
-    if meta.is_prefill:
-        keys, values = key, value
-    else:
-        keys, values = meta.store.gather(layer, meta.block_tables)
-    out = F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=meta.mask, scale=scaling, enable_gqa=kv_heads != query.shape[1]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = paged_attention_op(
+        query,
+        key,
+        value,
+        meta.store.k[layer],
+        meta.store.v[layer],
+        meta.write_blocks,
+        meta.write_offsets,
+        meta.mask,
+        None if meta.is_prefill else meta.block_tables,
+        meta.lengths,
+        float(scale),
+        meta.use_kernel,
+        meta.pack_index,
+        *meta.padded_shape,
     )
-    return out.transpose(1, 2).contiguous(), None
+    return out, None
 
 
 def register() -> str:

@@ -59,7 +59,14 @@ def paged_decode_kernel() -> Any:
             _module = load(
                 name="tokenfleet_paged_decode_cpu",
                 sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"],
+                extra_cflags=[
+                    "-O3",
+                    "-march=native",
+                    "-fopenmp",
+                    "-fassociative-math",
+                    "-fno-signed-zeros",
+                    "-fno-trapping-math",
+                ],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
                 verbose=False,

@@ -7,6 +7,7 @@ of requests: callers give it sequence ids and token lists, and get next-token lo
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,9 @@ from tokenfleet.worker.device import select_device, select_dtype
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_FRACTION_OF_WEIGHTS = 1.0  # with no budget given, a pool as large as the weights (min 64 blocks)
+# Prefill packs whole prompts into forwards of at most this many tokens (activation memory bound).
+DEFAULT_PREFILL_CHUNK_TOKENS = 8192
+MIN_DECODE_BUCKET = 8  # compiled decode pads batches to 8, 16, 32, ...: weights cost the same
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,9 @@ class Engine:
         device: str = "auto",
         dtype: str = "auto",
         kv: KVCacheConfig | None = None,
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        compile: bool = False,
+        max_batch_size: int = 32,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -82,9 +89,11 @@ class Engine:
             self.num_layers, self.num_kv_heads, self.head_dim, kv.block_size, self.dtype
         )
         num_blocks = kv.num_blocks or self._blocks_for_budget(kv.memory_bytes)
+        # one block more than the allocator hands out: the scratch block padding tokens write to
+        self.scratch_block = num_blocks
         self.store = PagedKVStore(
             self.num_layers,
-            num_blocks,
+            num_blocks + 1,
             kv.block_size,
             self.num_kv_heads,
             self.head_dim,
@@ -94,7 +103,12 @@ class Engine:
         self.allocator = BlockAllocator(num_blocks, kv.block_size)
         # decode attention straight from the pool on CPU; elsewhere (and without a compiler) the
         # blocks are gathered and SDPA runs on the copy
-        self.decode_kernel = paged_decode_kernel() if self.device.type == "cpu" else None
+        self.use_kernel = self.device.type == "cpu" and paged_decode_kernel() is not None
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.decode_buckets = decode_buckets(max_batch_size)
+        self._compiled = self._compile() if compile else None
+        self.pad_decode_batches = compile  # to decode_buckets; eager steps can pad too (tests do)
+        self.last_prefill_tokens = self.last_prefill_forwards = 0
         self.eos_token_ids = self._eos_ids()
         self.max_token_chars = self._max_token_chars()
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -154,72 +168,155 @@ class Engine:
 
     @torch.inference_mode()
     def prefill(self, seq_ids: Sequence[Hashable], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Run whole sequences (blocks already allocated for every token) padded to the longest;
-        write their K/V into the pool; return next-token logits ``[B, vocab]`` (float32)."""
-        lengths = [len(t) for t in token_lists]
-        batch, width = len(token_lists), max(lengths)
-        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        write_index, blocks, offsets = [], [], []
-        for row, (seq_id, tokens) in enumerate(zip(seq_ids, token_lists)):
-            input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            table = self.allocator.block_table(seq_id)
-            for pos in range(len(tokens)):
-                write_index.append(row * width + pos)
-                blocks.append(table[pos // self.block_size])
-                offsets.append(pos % self.block_size)
+        """Run whole sequences (blocks already allocated for every token), packed without padding
+        into forwards of at most ``prefill_chunk_tokens``; write their K/V into the pool; return
+        next-token logits ``[B, vocab]`` (float32) in the order given."""
+        chunks: list[list[int]] = []
+        budget = self.prefill_chunk_tokens
+        self.last_prefill_tokens = 0  # padding included; for logs and metrics
+        for row, tokens in enumerate(token_lists):
+            if chunks and sum(len(token_lists[i]) for i in chunks[-1]) + len(tokens) <= budget:
+                chunks[-1].append(row)
+            else:
+                chunks.append([row])  # a prompt longer than the budget gets a forward of its own
+        logits = [
+            self._prefill_packed([seq_ids[i] for i in rows], [token_lists[i] for i in rows])
+            for rows in chunks
+        ]
+        self.last_prefill_forwards = len(chunks)
+        return torch.cat(logits)
+
+    def _prefill_packed(
+        self, seq_ids: Sequence[Hashable], token_lists: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """One forward over the prompts laid end to end (``[1, N]``); attention unpacks them to
+        one row per prompt, each attending causally to its own tokens."""
         dev = self.device
-        length_t = torch.tensor(lengths, device=dev)
-        positions = torch.arange(width, device=dev)
-        causal = positions[None, :] <= positions[:, None]  # [T, T]: query row sees keys up to itself
-        valid_key = positions[None, :] < length_t[:, None]  # [B, T]
-        mask = (causal[None] & valid_key[:, None, :])[:, None]  # [B, 1, T, T]
+        lengths = torch.tensor([len(t) for t in token_lists])
+        rows, width, real = len(token_lists), int(lengths.max()), int(lengths.sum())
+        self.last_prefill_tokens += real
+        segment = torch.repeat_interleave(torch.arange(rows), lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        positions = torch.arange(real) - starts[segment]
+        tables = self._block_tables(seq_ids)
+        index = torch.arange(width)
+        causal = index[None, :] <= index[:, None]  # [L, L]
+        valid_key = index[None, :] < lengths[:, None]  # [B, L]
         meta = attention.StepMetadata(
             store=self.store,
             is_prefill=True,
-            write_blocks=torch.tensor(blocks, device=dev),
-            write_offsets=torch.tensor(offsets, device=dev),
-            mask=mask,
-            write_index=torch.tensor(write_index, device=dev),
+            write_blocks=tables[segment, positions // self.block_size].to(dev),
+            write_offsets=(positions % self.block_size).to(dev),
+            mask=(causal[None] & valid_key[:, None, :])[:, None].to(dev),
+            pack_index=(segment * width + positions).to(dev),
+            padded_shape=(rows, width),
         )
-        hidden = self._forward(input_ids.to(dev), positions.expand(batch, width), meta)
-        last = hidden[torch.arange(batch, device=dev), length_t - 1]
-        return self._logits(last)
+        input_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
+        hidden = self._forward(input_ids[None].to(dev), positions[None].to(dev), meta)
+        last = (torch.cumsum(lengths, 0) - 1).to(dev)
+        return self._logits(hidden[0, last])
+
+    def _block_tables(self, seq_ids: Sequence[Hashable], min_width: int = 1) -> torch.Tensor:
+        tables = [self.allocator.block_table(s) for s in seq_ids]
+        width = max(min_width, max(len(t) for t in tables))
+        return torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in tables], dtype=torch.long)
 
     @torch.inference_mode()
     def decode(self, seq_ids: Sequence[Hashable], last_tokens: Sequence[int]) -> torch.Tensor:
         """One step for sequences whose newest token is not yet in the cache (its slot already
         appended); returns next-token logits ``[B, vocab]`` (float32)."""
-        tables = [self.allocator.block_table(s) for s in seq_ids]
-        lengths = [self.allocator.num_tokens(s) for s in seq_ids]
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        blocks = [t[(n - 1) // self.block_size] for t, n in zip(tables, lengths)]
-        offsets = [(n - 1) % self.block_size for n in lengths]
+        batch = len(seq_ids)
+        padded = self.pad_decode_batches and batch <= self.decode_buckets[-1]
+        compiled = padded and self._compiled is not None
+        rows = next(b for b in self.decode_buckets if b >= batch) if padded else batch
+        # a table at least two blocks wide: a width of 1 would be specialised by the compiler
+        tables = self._block_tables(seq_ids, min_width=2 if padded else 1)
+        lengths = torch.tensor([self.allocator.num_tokens(s) for s in seq_ids], dtype=torch.long)
+        tokens = torch.tensor(last_tokens, dtype=torch.long)
+        pad = rows - batch
+        if pad:  # padding rows: one token each, in the scratch block
+            tables = torch.cat([tables, torch.full((pad, tables.shape[1]), self.scratch_block)])
+            lengths = torch.cat([lengths, torch.ones(pad, dtype=torch.long)])
+            tokens = torch.cat([tokens, torch.full((pad,), self.pad_token_id, dtype=torch.long)])
+        last = lengths - 1
+        blocks = tables[torch.arange(rows), last // self.block_size]
         dev = self.device
-        length_t = torch.tensor(lengths, device=dev)
-        if self.decode_kernel is None:
-            key_pos = torch.arange(width * self.block_size, device=dev)
-            mask = (key_pos[None, :] < length_t[:, None])[:, None, None, :]
-        else:
-            mask = None  # the kernel stops at each sequence's length
+        mask = None
+        if not self.use_kernel:
+            key_pos = torch.arange(tables.shape[1] * self.block_size)
+            mask = (key_pos[None, :] < lengths[:, None])[:, None, None, :].to(dev)
         meta = attention.StepMetadata(
             store=self.store,
             is_prefill=False,
-            write_blocks=torch.tensor(blocks, device=dev),
-            write_offsets=torch.tensor(offsets, device=dev),
+            write_blocks=blocks.to(dev),
+            write_offsets=(last % self.block_size).to(dev),
             mask=mask,
-            block_tables=torch.tensor(padded, device=dev),
-            lengths=length_t,
-            kernel=self.decode_kernel,
+            block_tables=tables.to(dev),
+            lengths=lengths.to(dev),
+            use_kernel=self.use_kernel,
         )
-        input_ids = torch.tensor(last_tokens, dtype=torch.long, device=dev)[:, None]
-        hidden = self._forward(input_ids, (length_t - 1)[:, None], meta)
-        return self._logits(hidden[:, -1])
+        hidden = self._forward(tokens[:, None].to(dev), last[:, None].to(dev), meta, compiled)
+        return self._logits(hidden[:batch, -1])
 
     def _forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: attention.StepMetadata
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        meta: attention.StepMetadata,
+        compiled: bool = False,
     ) -> torch.Tensor:
-        out = self.model.base_model(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, tokenfleet_step=meta
-        )
+        model = self.model.base_model
+        if compiled:
+            model = self._compiled
+            if meta.block_tables is not None:
+                torch._dynamo.mark_dynamic(meta.block_tables, 1)  # context grows: no recompile per block
+                if meta.mask is not None:
+                    torch._dynamo.mark_dynamic(meta.mask, 3)
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, tokenfleet_step=meta)
         return out.last_hidden_state
+
+    # -- torch.compile --------------------------------------------------------------------------
+
+    def _compile(self):
+        """The base model compiled by inductor for decode, with frozen weights and autotuned
+        matmuls (its C++ AMX/AVX512 GEMM templates on CPU). Batches are padded to
+        :attr:`decode_buckets` because those templates are generated per shape; prefill, whose
+        shapes vary with every batch, runs eagerly. :meth:`warm_up` compiles every bucket."""
+        import torch._inductor.config as inductor
+
+        inductor.freezing = True
+        inductor.max_autotune = True
+        inductor.max_autotune_gemm_backends = "CPP,ATEN"
+        torch._dynamo.config.cache_size_limit = max(
+            torch._dynamo.config.cache_size_limit, 4 * len(self.decode_buckets)
+        )
+        return torch.compile(self.model.base_model, dynamic=False)
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Compile every decode bucket before serving (through :meth:`decode` itself, on throwaway
+        sequences two blocks long, so the compiled code's guards match real steps); returns the
+        seconds it took."""
+        if self._compiled is None:
+            return 0.0
+        start = time.perf_counter()
+        tokens = self.block_size + 1
+        for rows in self.decode_buckets:
+            log.info("compiling decode for batches up to %d (once per worker start)", rows)
+            keys = [("warm-up", i) for i in range(min(rows, self.allocator.num_blocks // 2))]
+            for key in keys:
+                self.allocator.allocate(key, tokens)
+            try:
+                self.decode(keys, [self.pad_token_id] * len(keys))
+            finally:
+                for key in keys:
+                    self.allocator.free(key)
+        return time.perf_counter() - start
+
+
+def decode_buckets(max_batch_size: int) -> list[int]:
+    """Batch sizes compiled decode pads to: 8, 16, 32, ... up to ``max_batch_size``."""
+    buckets = [MIN_DECODE_BUCKET]
+    while buckets[-1] < max_batch_size:
+        buckets.append(buckets[-1] * 2)
+    return buckets

@@ -57,7 +57,18 @@ class Worker:
     ):
         self.config = config
         self.keys = Keys(config.prefix)
-        self.engine = engine or Engine(config.model, config.device, config.dtype, config.kv)
+        if engine is None:
+            engine = Engine(
+                config.model,
+                config.device,
+                config.dtype,
+                config.kv,
+                compile=config.compile,
+                max_batch_size=config.batching.max_batch_size,
+            )
+            if config.compile:  # before the worker announces itself: no request waits on a compile
+                log.info("compiled decode ready after %.0f s", engine.warm_up())
+        self.engine = engine
         self.scheduler = Scheduler(self.engine, config.batching, on_batch=self._on_batch)
         self.client = client or connect(config.redis_url)
         self.name = config.name or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
@@ -493,9 +504,10 @@ class Worker:
             self.metrics.prefill_batch.observe(event.size)
             self.metrics.padding_waste.observe(event.padding_waste)
             log.info(
-                "batch size %d (prefill, padded to %d, padding waste %.2f)",
+                "batch size %d (prefill, %d tokens in %d forward(s), padding waste %.2f)",
                 event.size,
-                event.padded_len,
+                event.computed_tokens,
+                event.forwards,
                 event.padding_waste,
             )
         if self._user_on_batch is not None:

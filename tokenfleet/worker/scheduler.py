@@ -44,8 +44,9 @@ class BatchEvent:
 
     kind: str  # "prefill" or "decode"
     size: int
-    padded_len: int = 0
-    padding_waste: float = 0.0
+    computed_tokens: int = 0  # prefill: tokens the forwards ran, padding included
+    forwards: int = 1
+    padding_waste: float = 0.0  # prefill: padding tokens / prompt tokens
 
 
 class Scheduler:
@@ -164,10 +165,13 @@ class Scheduler:
 
     def _prefill(self, seqs: list[SeqState]) -> list[StepOutput]:
         token_lists = [s.all_tokens for s in seqs]
-        width = max(len(t) for t in token_lists)
-        real = sum(len(t) for t in token_lists)
-        self._emit(BatchEvent("prefill", len(seqs), width, (len(seqs) * width - real) / real))
         logits = self.engine.prefill([s.key for s in seqs], token_lists)
+        real, computed = sum(len(t) for t in token_lists), self.engine.last_prefill_tokens
+        self._emit(
+            BatchEvent(
+                "prefill", len(seqs), computed, self.engine.last_prefill_forwards, (computed - real) / real
+            )
+        )
         self.running.extend(seqs)
         return self._advance(seqs, choose_tokens(logits, seqs))
 
