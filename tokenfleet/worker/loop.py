@@ -35,6 +35,7 @@ from tokenfleet.worker.streams import Entry, Outbox, StreamReader
 log = logging.getLogger(__name__)
 
 IDLE_BLOCK_MS = 500  # longest blocking read, so that a stop request is noticed promptly
+FORMING_POLL_MS = 5  # while a batch waits for max_wait_ms: look for more requests this often
 HEARTBEAT_S = 2.0
 TRIM_EVERY_S = 5.0
 FLEET_BUCKETS_TTL_S = 10.0
@@ -256,8 +257,15 @@ class Worker:
         if room <= 0:
             return
         block = self._block_ms()
-        if block is not None and self.scheduler.num_waiting and block <= 1:
-            block = None  # a batch is due now: take what is already there without waiting
+        if block is not None and self.scheduler.num_waiting:
+            # A batch is forming: wait for it here, not in a blocking read. Redis times blocked
+            # reads out on its own clock tick (tens of ms late), which would add that much to
+            # every max_wait_ms; slices keep a batch that fills early from waiting it out.
+            ready = self.scheduler.ready_at()
+            left = IDLE_BLOCK_MS / 1000 if ready is None else ready - time.monotonic()
+            if left > 0:
+                time.sleep(min(left, FORMING_POLL_MS / 1000))
+            block = None
         for entry in self.reader.read(room, block):
             self._accept(entry)
         room = self.config.batching.max_batch_size - self.scheduler.num_waiting

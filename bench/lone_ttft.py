@@ -1,0 +1,131 @@
+"""Time to first token of a request that arrives alone, against ``max_wait_ms`` + prefill + 5 ms.
+
+For each ``max_wait_ms``: a worker process on its own Redis, then ``--repeats`` requests one at a
+time (each after the previous finished and a pause, so the worker is idle when it arrives),
+TTFT measured by the client from just before ``submit`` to the first token. The prefill time of
+the same prompt is measured in this process on the same model and dtype (median of repeats).
+The bound uses the prefill time after the same idle pause the requests see (a CPU that sat idle
+runs its next forward slower); the warm, back-to-back figure is printed beside it. Prints JSON
+lines and a Markdown table. Never run as a test.
+
+    python -m bench.lone_ttft --size small --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import redis
+
+from bench.compare import allocator_env, make_workload, percentile
+from tokenfleet.embedded import EmbeddedRedis
+from tokenfleet.producer import Client
+from tokenfleet.protocol import Keys
+
+IDLE_S = 0.3
+
+
+def prefill_ms(model_dir: str, dtype: str, prompt: list[int], repeats: int, idle_s: float) -> float:
+    """Median prefill time of ``prompt`` alone, each after ``idle_s`` of idleness (0: back to back).
+    An idle CPU runs the next forward markedly slower (cold caches, sleeping cores), and a lone
+    request always meets an idle worker, so the bound uses the idle figure."""
+    from tokenfleet.config import KVCacheConfig
+    from tokenfleet.worker.engine import Engine
+
+    engine = Engine(model_dir, dtype=dtype, kv=KVCacheConfig(num_blocks=64))
+    times = []
+    for i in range(repeats + 1):
+        time.sleep(idle_s)
+        engine.allocator.allocate(i, len(prompt))
+        start = time.perf_counter()
+        engine.prefill([i], [prompt]).argmax(-1).tolist()  # the host sync sampling needs, included
+        times.append((time.perf_counter() - start) * 1000)
+        engine.allocator.free(i)
+    return statistics.median(times[1:])  # the first includes one-time set-up
+
+
+def lone_ttfts(
+    url: str, model_dir: str, dtype: str, wait_ms: float, prompt: list[int], repeats: int
+) -> list[float]:
+    prefix = f"lone-{os.getpid()}-{wait_ms:g}"
+    env = {**os.environ, **allocator_env(), "REDIS_URL": url, "TOKENFLEET_PREFIX": prefix}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "tokenfleet", "worker", "--model", model_dir, "--dtype", dtype,
+         "--buckets", "512", "--max-seq-len", "1024", "--max-wait-ms", str(wait_ms)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        admin = redis.Redis.from_url(url)
+        while not admin.hlen(Keys(prefix).workers):
+            time.sleep(0.1)
+        client = Client(url, model=model_dir, prefix=prefix)
+        client.submit(input_ids=prompt, max_new_tokens=2).result(timeout=300)  # warm-up
+        ttfts = []
+        for _ in range(repeats):
+            time.sleep(IDLE_S)  # the worker is idle, blocked on its read, when the request arrives
+            start = time.perf_counter()
+            handle = client.submit(input_ids=prompt, max_new_tokens=4, ignore_eos=True)
+            next(iter(handle.stream(timeout=300)))
+            ttfts.append((time.perf_counter() - start) * 1000)
+            handle.result(timeout=300)
+        return ttfts
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="local HF model dir (default: build --size in a temp dir)")
+    p.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-wait-ms", default="0,10,50", help="comma-separated values to try")
+    p.add_argument("--repeats", type=int, default=10)
+    args = p.parse_args()
+    from tokenfleet.models import init_model
+
+    model_dir = args.model or str(
+        init_model(tempfile.mkdtemp(prefix="tokenfleet-ttft-") + f"/{args.size}", args.size)
+    )
+    prompt = make_workload("fixed", 1, args.prompt_len, 4, 1.0, 0)[0].prompt_ids
+    prefill_warm = prefill_ms(model_dir, args.dtype, prompt, args.repeats, 0.0)
+    prefill = prefill_ms(model_dir, args.dtype, prompt, args.repeats, IDLE_S)
+    rows = []
+    with EmbeddedRedis() as server:
+        for wait in (float(w) for w in args.max_wait_ms.split(",")):
+            ttfts = lone_ttfts(server.url, model_dir, args.dtype, wait, prompt, args.repeats)
+            bound = wait + prefill + 5
+            row = {
+                "max_wait_ms": wait,
+                "prefill_ms": round(prefill, 2),
+                "prefill_warm_ms": round(prefill_warm, 2),
+                "bound_ms": round(bound, 2),
+                "ttft_p50_ms": round(statistics.median(ttfts), 2),
+                "ttft_max_ms": round(max(ttfts), 2),
+                "ttft_p90_ms": round(percentile(ttfts, 90), 2),
+                "within_bound": sum(t <= bound for t in ttfts),
+                "repeats": len(ttfts),
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(
+        "\n| max_wait_ms | prefill ms (idle / warm) | bound ms | TTFT p50 ms | TTFT max ms | within bound |"
+    )
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        prefill_cell = f"{r['prefill_ms']} / {r['prefill_warm_ms']}"
+        cells = [f"{r['max_wait_ms']:g}", prefill_cell, r["bound_ms"], r["ttft_p50_ms"], r["ttft_max_ms"]]
+        print("| " + " | ".join(map(str, cells)) + f" | {r['within_bound']}/{r['repeats']} |")
+
+
+if __name__ == "__main__":
+    main()
