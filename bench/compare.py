@@ -35,17 +35,18 @@ import json
 import os
 import platform
 import random
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
+
+from bench.common import TCMALLOC, allocator_env, worker_process
 
 HERE = Path(__file__).resolve().parent
 VLLM_VENV = HERE / "peers" / ".vllm-venv"
-TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 # In-process rows share this process, in this order. transformers' continuous batching runs after
 # tokenfleet's rows: run before them, it left tokenfleet-engine 40% slower than in a process of
 # its own (its manager works in a background thread; the cause was not chased further).
@@ -341,12 +342,6 @@ def pool_blocks(reqs: list[Req], max_batch_size: int, block_size: int = 16) -> i
     return max_batch_size * (-(-longest // block_size) + 1)
 
 
-def allocator_env() -> dict[str, str]:
-    """tcmalloc preloaded when the machine has it: what vLLM's best configuration uses, given
-    to tokenfleet's worker too (fewer page faults on its large per-step buffers)."""
-    return {"LD_PRELOAD": TCMALLOC} if Path(TCMALLOC).exists() else {}
-
-
 def run_e2e(
     model_dir: str,
     dtype: str,
@@ -357,55 +352,17 @@ def run_e2e(
     stream_interval_ms: float = 0.0,
     compile: bool = False,
 ) -> dict:
-    import redis
 
     from tokenfleet.embedded import EmbeddedRedis
     from tokenfleet.producer import AsyncClient
-    from tokenfleet.protocol import Keys
 
     prefix = f"compare-{os.getpid()}"
-    with EmbeddedRedis() as server:
-        env = {**os.environ, **allocator_env(), "REDIS_URL": server.url, "TOKENFLEET_PREFIX": prefix}
-        worker = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tokenfleet",
-                "worker",
-                "--model",
-                model_dir,
-                "--dtype",
-                dtype,
-                "--buckets",
-                str(max_seq_len // 2),
-                "--max-seq-len",
-                str(max_seq_len),
-                "--mode",
-                "continuous",
-                "--max-wait-ms",
-                str(wait_ms),
-                "--max-batch-size",
-                str(max_batch_size),
-                "--num-blocks",
-                str(pool_blocks(reqs, max_batch_size)),
-                "--stream-interval-ms",
-                str(stream_interval_ms),
-                "--compile" if compile else "--no-compile",
-            ],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            admin = redis.Redis.from_url(server.url)
-            while not admin.hlen(Keys(prefix).workers):
-                if worker.poll() is not None:
-                    raise SystemExit("tokenfleet worker exited during start-up")
-                time.sleep(0.1)
-            traces, wall = asyncio.run(drive_clients(server.url, model_dir, prefix, reqs, AsyncClient))
-        finally:
-            worker.send_signal(signal.SIGTERM)
-            worker.wait(120)
+    flags = ["--dtype", dtype, "--buckets", str(max_seq_len // 2), "--max-seq-len", str(max_seq_len)]
+    flags += ["--mode", "continuous", "--max-wait-ms", str(wait_ms), "--max-batch-size", str(max_batch_size)]
+    flags += ["--num-blocks", str(pool_blocks(reqs, max_batch_size))]
+    flags += ["--stream-interval-ms", str(stream_interval_ms), "--compile" if compile else "--no-compile"]
+    with EmbeddedRedis() as server, worker_process(server.url, prefix, model_dir, flags, allocator_env()):
+        traces, wall = asyncio.run(drive_clients(server.url, model_dir, prefix, reqs, AsyncClient))
     note = f"worker process + Redis, {len(reqs)} concurrent clients, max_wait_ms {wait_ms:g}"
     note += f", stream_interval_ms {stream_interval_ms:g}" + (", compiled decode" if compile else "")
     note += ", tcmalloc" if allocator_env() else ""
@@ -615,41 +572,28 @@ def main() -> None:
         for r in reqs
     ]
     roof = roofline(hf, args.dtype, reqs, args.max_batch_size)
+    engine = partial(run_engine, model_dir, args.dtype, reqs, args.max_batch_size, max_seq_len)
+    e2e = partial(
+        run_e2e,
+        model_dir,
+        args.dtype,
+        reqs,
+        args.max_batch_size,
+        max_seq_len,
+        args.max_wait_ms,
+        args.stream_interval_ms,
+    )
+    vllm = partial(run_vllm, model_dir, args.dtype, reqs, args.max_batch_size, max_seq_len)
     runners = {
         "hf-generate-b1": lambda: run_hf_b1(hf, reqs, args.b1_requests),
         "hf-generate-batch": lambda: run_hf_batch(hf, reqs, PAD_ID),
         "hf-generate-batch-cb": lambda: run_hf_cb(hf, reqs, args.max_batch_size),
-        "tokenfleet-engine": lambda: run_engine(
-            model_dir, args.dtype, reqs, args.max_batch_size, max_seq_len
-        ),
-        "tokenfleet-engine-compile": lambda: run_engine(
-            model_dir, args.dtype, reqs, args.max_batch_size, max_seq_len, compile=True
-        ),
-        "tokenfleet-e2e": lambda: run_e2e(
-            model_dir,
-            args.dtype,
-            reqs,
-            args.max_batch_size,
-            max_seq_len,
-            args.max_wait_ms,
-            args.stream_interval_ms,
-        ),
-        "tokenfleet-e2e-compile": lambda: run_e2e(
-            model_dir,
-            args.dtype,
-            reqs,
-            args.max_batch_size,
-            max_seq_len,
-            args.max_wait_ms,
-            args.stream_interval_ms,
-            compile=True,
-        ),
-        "vllm-default": lambda: run_vllm(
-            model_dir, args.dtype, reqs, args.max_batch_size, max_seq_len, best=False
-        ),
-        "vllm-best": lambda: run_vllm(
-            model_dir, args.dtype, reqs, args.max_batch_size, max_seq_len, best=True
-        ),
+        "tokenfleet-engine": engine,
+        "tokenfleet-engine-compile": partial(engine, compile=True),
+        "tokenfleet-e2e": e2e,
+        "tokenfleet-e2e-compile": partial(e2e, compile=True),
+        "vllm-default": partial(vllm, best=False),
+        "vllm-best": partial(vllm, best=True),
     }
     results = []
     for name in rows:

@@ -16,19 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
-import redis
-
-from bench.compare import allocator_env, make_workload, percentile
+from bench.common import allocator_env, worker_process
+from bench.compare import make_workload, percentile
 from tokenfleet.embedded import EmbeddedRedis
 from tokenfleet.producer import Client
-from tokenfleet.protocol import Keys
 
 IDLE_S = 0.3
 
@@ -56,16 +51,8 @@ def lone_ttfts(
     url: str, model_dir: str, dtype: str, wait_ms: float, prompt: list[int], repeats: int
 ) -> list[float]:
     prefix = f"lone-{os.getpid()}-{wait_ms:g}"
-    env = {**os.environ, **allocator_env(), "REDIS_URL": url, "TOKENFLEET_PREFIX": prefix}
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "tokenfleet", "worker", "--model", model_dir, "--dtype", dtype,
-         "--buckets", "512", "--max-seq-len", "1024", "--max-wait-ms", str(wait_ms)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        admin = redis.Redis.from_url(url)
-        while not admin.hlen(Keys(prefix).workers):
-            time.sleep(0.1)
+    flags = ["--dtype", dtype, "--buckets", "512", "--max-seq-len", "1024", "--max-wait-ms", str(wait_ms)]
+    with worker_process(url, prefix, model_dir, flags, allocator_env()):
         client = Client(url, model=model_dir, prefix=prefix)
         client.submit(input_ids=prompt, max_new_tokens=2).result(timeout=300)  # warm-up
         ttfts = []
@@ -77,9 +64,6 @@ def lone_ttfts(
             ttfts.append((time.perf_counter() - start) * 1000)
             handle.result(timeout=300)
         return ttfts
-    finally:
-        worker.send_signal(signal.SIGTERM)
-        worker.wait(120)
 
 
 def main() -> None:

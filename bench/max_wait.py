@@ -14,20 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
 import statistics
-import subprocess
-import sys
 import time
 
-import redis
-
-from bench.common import model_or_tiny
+from bench.common import model_or_tiny, worker_process
 from tokenfleet.embedded import EmbeddedRedis
 from tokenfleet.producer import AsyncClient
-from tokenfleet.protocol import Keys
 
 CONFIGS = [
     ("static batch 1", ["--mode", "static", "--max-batch-size", "1"]),
@@ -74,38 +67,12 @@ async def drive(url: str, model: str, prefix: str, clients: int, per_client: int
 
 def run_config(label: str, flags: list[str], args, url: str, model: str) -> dict:
     prefix = f"maxwait-{abs(hash(label)) % 10**8}"
-    env = {**os.environ, "REDIS_URL": url, "TOKENFLEET_PREFIX": prefix}
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tokenfleet",
-            "worker",
-            "--model",
-            model,
-            "--dtype",
-            args.dtype,
-            "--buckets",
-            "64",
-            "--max-seq-len",
-            "512",
-            *(["--max-batch-size", "32"] if "--max-batch-size" not in flags else []),
-            *flags,
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    admin = redis.Redis.from_url(url)
-    try:
-        while not admin.hlen(Keys(prefix).workers):
-            time.sleep(0.1)
+    worker_flags = ["--dtype", args.dtype, "--buckets", "64", "--max-seq-len", "512"]
+    worker_flags += ["--max-batch-size", "32"] if "--max-batch-size" not in flags else []
+    with worker_process(url, prefix, model, worker_flags + flags):
         tokens, wall, ttfts = asyncio.run(
             drive(url, model, prefix, args.clients, args.per_client, args.new_tokens, args.seed)
         )
-    finally:
-        worker.send_signal(signal.SIGTERM)
-        worker.wait(120)
     return {
         "config": label,
         "max_wait_ms": float(flags[flags.index("--max-wait-ms") + 1]) if "--max-wait-ms" in flags else None,
@@ -167,6 +134,8 @@ def main() -> None:
         with open(args.replot) as f:
             plot(json.load(f), args.plot)
         return
+    if args.clients < 8:  # static batch 8 dispatches only full batches: fewer clients never fill one
+        raise SystemExit("--clients must be at least 8 (the static batch 8 row waits for 8 requests)")
     model = model_or_tiny(args.model)
     rows = []
     with EmbeddedRedis() as server:

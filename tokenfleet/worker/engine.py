@@ -174,11 +174,14 @@ class Engine:
         chunks: list[list[int]] = []
         budget = self.prefill_chunk_tokens
         self.last_prefill_tokens = 0  # padding included; for logs and metrics
+        in_chunk = 0  # tokens in the last chunk
         for row, tokens in enumerate(token_lists):
-            if chunks and sum(len(token_lists[i]) for i in chunks[-1]) + len(tokens) <= budget:
+            if chunks and in_chunk + len(tokens) <= budget:
                 chunks[-1].append(row)
+                in_chunk += len(tokens)
             else:
                 chunks.append([row])  # a prompt longer than the budget gets a forward of its own
+                in_chunk = len(tokens)
         logits = [
             self._prefill_packed([seq_ids[i] for i in rows], [token_lists[i] for i in rows])
             for rows in chunks
