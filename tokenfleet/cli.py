@@ -198,8 +198,9 @@ def model_init(directory: str, size: str, seed: int) -> None:
     "--compile/--no-compile",
     default=False,
     show_default=True,
-    help="torch.compile the decode step (frozen weights, autotuned matmuls, batches padded to 8, 16, "
-    "32, ...): faster steps after 1-3 minutes of compiling at start-up, before serving.",
+    help="torch.compile the model: decode with frozen weights and autotuned matmuls (batches padded to "
+    "8, 16, 32, ...), prefill with dynamic shapes. Faster steps after 1-3 minutes of compiling at "
+    "start-up, before serving.",
 )
 @click.option(
     "--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port (/metrics)."

@@ -171,7 +171,7 @@ class WorkerConfig:
     max_queue: int | None = None  # undelivered entries a bucket stream may hold (producers check)
     metrics_port: int | None = None  # serve Prometheus /metrics here
     stream_interval_ms: float = 0.0  # coalesce a request's tokens into one event per interval
-    compile: bool = False  # torch.compile the decode step (minutes of warm-up at start)
+    compile: bool = False  # torch.compile decode and prefill (minutes of warm-up at start)
 
     def __post_init__(self) -> None:
         if self.claim_idle_ms < 100:

@@ -42,7 +42,6 @@ class StepMetadata:
     lengths: torch.Tensor | None = None
     use_kernel: bool = False
     pack_index: torch.Tensor | None = None
-    padded_shape: tuple[int, int] = (0, 0)  # prefill: (B, L) of the attention rows
 
 
 @torch.library.custom_op("tokenfleet::paged_attention", mutates_args=("k_cache", "v_cache"))
@@ -60,8 +59,6 @@ def paged_attention_op(
     scale: float,
     use_kernel: bool,
     pack_index: torch.Tensor | None = None,
-    rows: int = 0,
-    width: int = 0,
 ) -> torch.Tensor:
     """Write this step's K/V into one layer of the pool, attend, return ``[B, T, heads, head_dim]``.
 
@@ -76,6 +73,7 @@ def paged_attention_op(
                 query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa
             )
             return out.transpose(1, 2).contiguous()
+        rows, width = mask.shape[0], mask.shape[-1]  # [B, 1, L, L]: no int arguments to specialise on
         q, k, v = (unpack(t, pack_index, rows, width) for t in (query, key, value))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         heads = query.shape[1]
@@ -137,7 +135,6 @@ def paged_attention(
         float(scale),
         meta.use_kernel,
         meta.pack_index,
-        *meta.padded_shape,
     )
     return out, None
 

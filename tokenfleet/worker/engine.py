@@ -107,6 +107,13 @@ class Engine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.decode_buckets = decode_buckets(max_batch_size)
         self._compiled = self._compile() if compile else None
+        # prefill shapes vary with every batch: one graph with dynamic sizes (its GEMMs stay ATen,
+        # the gain is fused norms, rotary and activations)
+        self._compiled_prefill = (
+            torch.compile(self.model.base_model, dynamic=True, options={"max_autotune": False})
+            if compile
+            else None
+        )
         self.pad_decode_batches = compile  # to decode_buckets; eager steps can pad too (tests do)
         self.last_prefill_tokens = self.last_prefill_forwards = 0
         self.eos_token_ids = self._eos_ids()
@@ -212,10 +219,12 @@ class Engine:
             write_offsets=(positions % self.block_size).to(dev),
             mask=(causal[None] & valid_key[:, None, :])[:, None].to(dev),
             pack_index=(segment * width + positions).to(dev),
-            padded_shape=(rows, width),
         )
         input_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
-        hidden = self._forward(input_ids[None].to(dev), positions[None].to(dev), meta)
+        compiled = (
+            self._compiled_prefill is not None and rows >= 2 and width >= 2
+        )  # sizes 0/1 get specialised
+        hidden = self._forward(input_ids[None].to(dev), positions[None].to(dev), meta, compiled)
         last = (torch.cumsum(lengths, 0) - 1).to(dev)
         return self._logits(hidden[0, last])
 
@@ -269,7 +278,9 @@ class Engine:
         compiled: bool = False,
     ) -> torch.Tensor:
         model = self.model.base_model
-        if compiled:
+        if compiled and meta.is_prefill:
+            model = self._compiled_prefill
+        elif compiled:
             model = self._compiled
             if meta.block_tables is not None:
                 torch._dynamo.mark_dynamic(meta.block_tables, 1)  # context grows: no recompile per block
@@ -283,8 +294,8 @@ class Engine:
     def _compile(self):
         """The base model compiled by inductor for decode, with frozen weights and autotuned
         matmuls (its C++ AMX/AVX512 GEMM templates on CPU). Batches are padded to
-        :attr:`decode_buckets` because those templates are generated per shape; prefill, whose
-        shapes vary with every batch, runs eagerly. :meth:`warm_up` compiles every bucket."""
+        :attr:`decode_buckets` because those templates are generated per shape. :meth:`warm_up`
+        compiles every bucket (and the dynamic-shape prefill graph)."""
         import torch._inductor.config as inductor
 
         inductor.freezing = True
@@ -297,13 +308,22 @@ class Engine:
 
     @torch.inference_mode()
     def warm_up(self) -> float:
-        """Compile every decode bucket before serving (through :meth:`decode` itself, on throwaway
-        sequences two blocks long, so the compiled code's guards match real steps); returns the
-        seconds it took."""
+        """Compile prefill and every decode bucket before serving (through :meth:`prefill` and
+        :meth:`decode` themselves, on throwaway sequences two blocks long, so the compiled code's
+        guards match real steps); returns the seconds it took."""
         if self._compiled is None:
             return 0.0
         start = time.perf_counter()
         tokens = self.block_size + 1
+        log.info("compiling prefill (once per worker start)")
+        keys = [("warm-up", 0), ("warm-up", 1)]
+        for key in keys:
+            self.allocator.allocate(key, tokens)
+        try:
+            self.prefill(keys, [[self.pad_token_id] * tokens] * 2)
+        finally:
+            for key in keys:
+                self.allocator.free(key)
         for rows in self.decode_buckets:
             log.info("compiling decode for batches up to %d (once per worker start)", rows)
             keys = [("warm-up", i) for i in range(min(rows, self.allocator.num_blocks // 2))]
