@@ -332,7 +332,7 @@ def run_engine(
         "tokenfleet-engine" + ("-compile" if compile else ""),
         traces,
         time.perf_counter() - start,
-        "scheduler + paged engine, continuous, in process" + (", compiled decode" if compile else ""),
+        "scheduler + paged engine, continuous, in process" + (", --compile" if compile else ""),
     )
 
 
@@ -364,7 +364,7 @@ def run_e2e(
     with EmbeddedRedis() as server, worker_process(server.url, prefix, model_dir, flags, allocator_env()):
         traces, wall = asyncio.run(drive_clients(server.url, model_dir, prefix, reqs, AsyncClient))
     note = f"worker process + Redis, {len(reqs)} concurrent clients, max_wait_ms {wait_ms:g}"
-    note += f", stream_interval_ms {stream_interval_ms:g}" + (", compiled decode" if compile else "")
+    note += f", stream_interval_ms {stream_interval_ms:g}" + (", --compile" if compile else "")
     note += ", tcmalloc" if allocator_env() else ""
     return summarize("tokenfleet-e2e" + ("-compile" if compile else ""), traces, wall, note)
 
