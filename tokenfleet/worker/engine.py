@@ -297,8 +297,12 @@ class Engine:
         :attr:`decode_buckets` because those templates are generated per shape. :meth:`warm_up`
         compiles every bucket (and the dynamic-shape prefill graph)."""
         import torch._inductor.config as inductor
+        import torch.fx.experimental._config as fx_config
 
         inductor.freezing = True
+        # dynamic prefill: without this, sizes that happen to be equal at warm-up (2 prompts, 2 KV
+        # heads) are assumed equal forever, and the first real batch recompiles mid-serving
+        fx_config.use_duck_shape = False
         inductor.max_autotune = True
         inductor.max_autotune_gemm_backends = "CPP,ATEN"
         torch._dynamo.config.cache_size_limit = max(
