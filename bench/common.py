@@ -20,6 +20,14 @@ def model_or_tiny(model: str | None) -> str:
     return str(init_model(tempfile.mkdtemp(prefix="tokenfleet-bench-") + "/tiny", "tiny"))
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile by nearest rank (None for no values)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
-from bench.common import TCMALLOC, allocator_env, worker_process
+from bench.common import TCMALLOC, allocator_env, percentile, worker_process
 
 HERE = Path(__file__).resolve().parent
 VLLM_VENV = HERE / "peers" / ".vllm-venv"
@@ -107,13 +107,6 @@ class Trace:
     arrival: float
     token_times: list[float] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def summarize(name: str, traces: list[Trace], wall: float, note: str = "") -> dict:

@@ -20,8 +20,8 @@ import statistics
 import tempfile
 import time
 
-from bench.common import allocator_env, worker_process
-from bench.compare import make_workload, percentile
+from bench.common import allocator_env, percentile, worker_process
+from bench.compare import make_workload
 from tokenfleet.embedded import EmbeddedRedis
 from tokenfleet.producer import Client
 

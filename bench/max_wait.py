@@ -18,7 +18,7 @@ import random
 import statistics
 import time
 
-from bench.common import model_or_tiny, worker_process
+from bench.common import model_or_tiny, percentile, worker_process
 from tokenfleet.embedded import EmbeddedRedis
 from tokenfleet.producer import AsyncClient
 
@@ -31,11 +31,6 @@ CONFIGS = [
     ("continuous 50 ms", ["--mode", "continuous", "--max-wait-ms", "50"]),
 ]
 WORDS = ["queue", "stream", "token", "fleet", "batch", "cache", "block", "worker", "redis", "slot"]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 async def drive(url: str, model: str, prefix: str, clients: int, per_client: int, new_tokens: int, seed: int):

@@ -43,24 +43,14 @@ class PagedKVStore:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def write(
-        self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-    ) -> None:
-        """Store per-token ``key``/``value`` ``[N, kv_heads, head_dim]`` at (block, offset) pairs."""
-        self.k[layer][blocks, offsets] = key
-        self.v[layer][blocks, offsets] = value
-
-    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of each sequence in ``block_tables`` ``[B, max_blocks]`` as ``[B, kv_heads, max_blocks *
-        block_size, head_dim]`` (slots past a sequence's length hold stale data: mask them)."""
-        return self.gather_from(self.k[layer], self.v[layer], block_tables)
-
     @staticmethod
-    def gather_from(
+    def gather(
         k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`gather` on one layer's pool tensors ``[blocks, block, kv_heads, head_dim]``: one
-        copy each, returned as transposed views."""
+        """K/V of each sequence in ``block_tables`` ``[B, max_blocks]``, read from one layer's pool
+        tensors ``[blocks, block, kv_heads, head_dim]``, as ``[B, kv_heads, max_blocks * block_size,
+        head_dim]``: one copy each, returned as transposed views (slots past a sequence's length
+        hold stale data: mask them)."""
         batch, nblocks = block_tables.shape
         _, block_size, kv_heads, head_dim = k_cache.shape
         flat = block_tables.reshape(-1)

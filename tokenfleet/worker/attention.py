@@ -24,13 +24,14 @@ PAGED_ATTENTION = "tokenfleet_paged"
 class StepMetadata:
     """Where this step's K/V go in the store and which keys each query may see.
 
-    Every one of the step's ``B*T`` tokens is written at its (``write_blocks``, ``write_offsets``)
-    place (padding tokens to the store's scratch block). Prefill is packed: the model sees the
-    prompts laid end to end (``[1, N]``: no padding in the matmuls), and attention scatters them
-    to ``[B, L]`` rows by ``pack_index`` (each token's place in ``B*L``) to run under ``mask``
-    ``[B, 1, L, L]``, then packs the result back. In decode, over each sequence's ``lengths`` keys found
-    through ``block_tables`` ``[B, max_blocks]``: read in place by the CPU kernel (``use_kernel``),
-    or gathered and masked by ``mask`` ``[B, 1, 1, max_blocks * block_size]``.
+    Every one of the step's tokens is written at its (``write_blocks``, ``write_offsets``) place
+    (the padding rows of a padded decode batch go to the store's scratch block). Prefill is
+    packed: the model sees the prompts laid end to end (``[1, N]``: no padding in the matmuls),
+    and attention scatters them to ``[B, L]`` rows by ``pack_index`` (each token's place in
+    ``B*L``) to run under ``mask`` ``[B, 1, L, L]``, then packs the result back. Decode attends to
+    each sequence's ``lengths`` keys found through ``block_tables`` ``[B, max_blocks]``: read in
+    place by the CPU kernel (``use_kernel``), or gathered and masked by ``mask``
+    ``[B, 1, 1, max_blocks * block_size]``.
     """
 
     store: PagedKVStore
@@ -67,12 +68,7 @@ def paged_attention_op(
     k_cache[write_blocks, write_offsets] = key.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim)
     v_cache[write_blocks, write_offsets] = value.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim)
     gqa = kv_heads != query.shape[1]
-    if block_tables is None:  # prefill: the step's own keys
-        if pack_index is None:
-            out = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa
-            )
-            return out.transpose(1, 2).contiguous()
+    if block_tables is None:  # prefill, packed: the step's own keys, one row per prompt
         rows, width = mask.shape[0], mask.shape[-1]  # [B, 1, L, L]: no int arguments to specialise on
         q, k, v = (unpack(t, pack_index, rows, width) for t in (query, key, value))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
@@ -83,7 +79,7 @@ def paged_attention_op(
         return kernel.paged_decode_attention(query[:, :, 0], k_cache, v_cache, block_tables, lengths, scale)[
             :, None
         ]
-    keys, values = PagedKVStore.gather_from(k_cache, v_cache, block_tables)
+    keys, values = PagedKVStore.gather(k_cache, v_cache, block_tables)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()
 

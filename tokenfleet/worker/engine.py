@@ -180,7 +180,7 @@ class Engine:
         next-token logits ``[B, vocab]`` (float32) in the order given."""
         chunks: list[list[int]] = []
         budget = self.prefill_chunk_tokens
-        self.last_prefill_tokens = 0  # padding included; for logs and metrics
+        self.last_prefill_tokens = 0  # tokens the forwards computed (no padding); for logs and metrics
         in_chunk = 0  # tokens in the last chunk
         for row, tokens in enumerate(token_lists):
             if chunks and in_chunk + len(tokens) <= budget:
