@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from tokenfleet.kvcache.store import PagedKVStore
-from tokenfleet.worker.cpu_kernels import paged_decode_kernel
 
 PAGED_ATTENTION = "tokenfleet_paged"
 
@@ -30,8 +29,8 @@ class StepMetadata:
     and attention scatters them to ``[B, L]`` rows by ``pack_index`` (each token's place in
     ``B*L``) to run under ``mask`` ``[B, 1, L, L]``, then packs the result back. Decode attends to
     each sequence's ``lengths`` keys found through ``block_tables`` ``[B, max_blocks]``: read in
-    place by the CPU kernel (``use_kernel``), or gathered and masked by ``mask``
-    ``[B, 1, 1, max_blocks * block_size]``.
+    place by the C++ operator ``tokenfleet::paged_decode`` (``use_kernel``: it also does the
+    write), or gathered and masked by ``mask`` ``[B, 1, 1, max_blocks * block_size]``.
     """
 
     store: PagedKVStore
@@ -58,7 +57,6 @@ def paged_attention_op(
     block_tables: torch.Tensor | None,
     lengths: torch.Tensor | None,
     scale: float,
-    use_kernel: bool,
     pack_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into one layer of the pool, attend, return ``[B, T, heads, head_dim]``.
@@ -74,11 +72,6 @@ def paged_attention_op(
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         heads = query.shape[1]
         return out.transpose(1, 2).reshape(rows * width, heads, head_dim).index_select(0, pack_index)[None]
-    if use_kernel:
-        kernel = paged_decode_kernel()
-        return kernel.paged_decode_attention(query[:, :, 0], k_cache, v_cache, block_tables, lengths, scale)[
-            :, None
-        ]
     keys, values = PagedKVStore.gather(k_cache, v_cache, block_tables)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()
@@ -117,6 +110,20 @@ def paged_attention(
     meta = tokenfleet_step
     layer = module.layer_idx
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if meta.use_kernel and not meta.is_prefill:  # the C++ operator: writes and attends, no Python
+        out = torch.ops.tokenfleet.paged_decode(
+            query,
+            key,
+            value,
+            meta.store.k[layer],
+            meta.store.v[layer],
+            meta.write_blocks,
+            meta.write_offsets,
+            meta.block_tables,
+            meta.lengths,
+            float(scale),
+        )
+        return out, None
     out = paged_attention_op(
         query,
         key,
@@ -129,7 +136,6 @@ def paged_attention(
         None if meta.is_prefill else meta.block_tables,
         meta.lengths,
         float(scale),
-        meta.use_kernel,
         meta.pack_index,
     )
     return out, None

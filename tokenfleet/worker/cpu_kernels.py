@@ -1,6 +1,7 @@
 """The CPU paged decode-attention kernel (``csrc/paged_decode_cpu.cpp``), built on first use.
 
-It is compiled for this machine's CPU with the C++ compiler PyTorch finds (``torch.utils.
+Loading it registers the operator ``torch.ops.tokenfleet.paged_decode`` (write the step's K/V,
+attend), with a shape-only implementation here so that ``torch.compile`` can trace it. It is compiled for this machine's CPU with the C++ compiler PyTorch finds (``torch.utils.
 cpp_extension``), cached under ``~/.cache/tokenfleet/kernels/<cpu>``, and loaded once per process.
 When it cannot be built (no compiler, no ``ninja``) or ``TOKENFLEET_PAGED_KERNEL=0``, callers get
 ``None`` and fall back to gathering the blocks and calling SDPA: slower, same results.
@@ -66,12 +67,22 @@ def paged_decode_kernel() -> Any:
                     "-fassociative-math",
                     "-fno-signed-zeros",
                     "-fno-trapping-math",
+                    "-fno-math-errno",  # lets the softmax's exp vectorize
                 ],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
                 verbose=False,
             )
+            _register_fake()
         except Exception as e:  # no compiler, no ninja, an odd platform: the gather path still works
             log.warning("CPU paged-attention kernel unavailable (%s); using gather + SDPA", str(e)[:300])
             _module = None
         return _module
+
+
+def _register_fake() -> None:
+    import torch
+
+    @torch.library.register_fake("tokenfleet::paged_decode")
+    def _(query, key, value, k_cache, v_cache, write_blocks, write_offsets, block_tables, lengths, scale):
+        return query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])
