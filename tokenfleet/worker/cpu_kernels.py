@@ -1,10 +1,11 @@
 """The CPU paged decode-attention kernel (``csrc/paged_decode_cpu.cpp``), built on first use.
 
 Loading it registers the operator ``torch.ops.tokenfleet.paged_decode`` (write the step's K/V,
-attend), with a shape-only implementation here so that ``torch.compile`` can trace it. It is compiled for this machine's CPU with the C++ compiler PyTorch finds (``torch.utils.
-cpp_extension``), cached under ``~/.cache/tokenfleet/kernels/<cpu>``, and loaded once per process.
-When it cannot be built (no compiler, no ``ninja``) or ``TOKENFLEET_PAGED_KERNEL=0``, callers get
-``None`` and fall back to gathering the blocks and calling SDPA: slower, same results.
+attend), with a shape-only implementation here so that ``torch.compile`` can trace it. It is
+compiled for this machine's CPU with the C++ compiler PyTorch finds (``torch.utils.cpp_extension``),
+cached under ``~/.cache/tokenfleet/kernels/<cpu>``, and loaded once per process. When it cannot
+be built (no compiler, no ``ninja``) or ``TOKENFLEET_PAGED_KERNEL=0``, callers get ``None`` and
+fall back to gathering the blocks and calling SDPA: slower, same results.
 """
 
 from __future__ import annotations
