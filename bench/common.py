@@ -45,11 +45,13 @@ def worker_process(url: str, prefix: str, model: str, flags: list[str], env: dic
 
     from tokenfleet.protocol import Keys
 
+    log_path = os.environ.get("BENCH_WORKER_LOG")  # keep the worker's log (where its time went)
+    log = open(log_path, "a") if log_path else subprocess.DEVNULL  # noqa: SIM115 (closed below)
     worker = subprocess.Popen(
         [sys.executable, "-m", "tokenfleet", "worker", "--model", model, *flags],
         env={**os.environ, **(env or {}), "REDIS_URL": url, "TOKENFLEET_PREFIX": prefix},
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=log,
     )
     try:
         admin = redis.Redis.from_url(url)
@@ -61,3 +63,5 @@ def worker_process(url: str, prefix: str, model: str, flags: list[str], env: dic
     finally:
         worker.send_signal(signal.SIGTERM)
         worker.wait(120)
+        if log_path:
+            log.close()
