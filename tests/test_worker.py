@@ -273,3 +273,55 @@ def test_reply_key_of_the_wrong_type_does_not_wedge_the_worker(
         assert res.token_ids == reference.greedy(reference.ids("after"), 3)
         assert running.thread.is_alive()
     assert r.xpending(keys.request_stream(16), GROUP)["pending"] == 0
+
+
+def counting_client(redis_url: str):
+    """A real client whose connections count what they send: one write per round trip (a
+    pipeline is packed into one), script calls included."""
+    import redis
+
+    class Counted(redis.Connection):
+        sends = 0
+
+        def send_packed_command(self, command, check_health=True):
+            Counted.sends += 1
+            return super().send_packed_command(command, check_health)
+
+    return redis.Redis.from_url(redis_url, connection_class=Counted), Counted
+
+
+def test_a_decode_step_costs_one_redis_round_trip(engine, redis_url, prefix, model_path):
+    """While a batch runs, the step's token events, the read of new work and the read of cancels
+    share one pipelined round trip (three before they were merged)."""
+    from tokenfleet.config import WorkerConfig
+    from tokenfleet.worker.loop import Worker
+
+    counting, connection = counting_client(redis_url)
+    at_decode: list[int] = []
+
+    def on_batch(event):
+        if event.kind == "decode":
+            at_decode.append(connection.sends)
+
+    batching = DynamicBatchingConfig(
+        max_wait_ms=50, max_batch_size=8, max_seq_len=128, buckets=(64,), mode="continuous"
+    )
+    config = WorkerConfig(model="unused", redis_url=redis_url, prefix=prefix, batching=batching)
+    worker = Worker(config, engine=engine, client=counting, on_batch=on_batch)
+    worker.setup()
+    worker.setup_done = True
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        client = Client(redis_url, model=str(model_path), prefix=prefix)
+        handles = [client.submit(f"prompt {i}", max_new_tokens=40, ignore_eos=True) for i in range(8)]
+        results = [h.result(timeout=120) for h in handles]
+    finally:
+        worker.stop()
+        thread.join(timeout=60)
+    assert all(len(res.token_ids) == 40 for res in results)
+    steps = len(at_decode) - 1
+    assert steps >= 38
+    per_step = (at_decode[-1] - at_decode[0]) / steps
+    # one per step; the odd heartbeat or a turn that admitted new requests may add one
+    assert per_step <= 1.2, f"{per_step:.2f} round trips per decode step"

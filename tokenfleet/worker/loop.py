@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 import redis
+from redis.cluster import RedisCluster
 
 from tokenfleet import protocol
 from tokenfleet.config import WorkerConfig
@@ -78,6 +79,9 @@ class Worker:
         self.outbox = Outbox(self.client, self.keys)
         self.reclaimer = Reclaimer(self.client, streams, self.name, config.claim_idle_ms)
         self.cancels = CancelWatch(self.client, self.keys)
+        # one round trip per step for replies, new work and cancels; a cluster pipeline does not
+        # keep order across nodes, so there replies are flushed on their own, acks after events
+        self._shared_round_trip = not isinstance(self.client, RedisCluster)
         self.metrics = WorkerMetrics(self.name)
         self.metrics.kv_blocks_total.set(self.engine.allocator.num_blocks)
         self._preemptions_seen = 0
@@ -182,9 +186,11 @@ class Worker:
 
     def _turn(self) -> None:
         t0 = time.perf_counter()
-        self._flush()  # anything a failed round trip left behind goes first
-        if not self.stopping:
-            self._intake()
+        self.cancels.begin_turn()
+        if self.stopping:
+            self._flush()
+        else:
+            self._intake()  # sends the last step's replies on the way
         t1 = time.perf_counter()
         self._enforce_cancels_and_deadlines()
         t2 = time.perf_counter()
@@ -199,8 +205,10 @@ class Worker:
             outputs = []
         t3 = time.perf_counter()
         self._publish(outputs)
-        self._flush()
-        if outputs and not self._holds_work():
+        if not (self._shared_round_trip and self.scheduler.busy and not self.stopping):
+            self._flush()  # otherwise the next turn's read of new work takes them along
+        s = self.scheduler
+        if outputs and not (s.running or s.preempted or len(s.batcher)):
             self._log_memory()
         self.reclaimer.touch(lambda: [seq.key for seq in self.scheduler.held()])
         if time.monotonic() - self._last_trim > TRIM_EVERY_S:
@@ -254,9 +262,33 @@ class Worker:
 
     def _intake(self) -> None:
         room = self.config.batching.max_batch_size - self.scheduler.num_waiting
-        if room <= 0:
-            return
         block = self._block_ms()
+        if block is None and self._shared_round_trip:
+            entries = self._exchange(room)
+        else:
+            self._flush()  # never wait for work with replies unsent
+            entries = self._read(room, block)
+        for entry in entries:
+            self._accept(entry)
+        self._reclaim()
+
+    def _exchange(self, room: int) -> list[Entry]:
+        """While a batch runs: the last step's replies out, new work and cancels in, one round
+        trip."""
+        pipe = self.client.pipeline(transaction=False)
+        sent = self.outbox.queue_into(pipe)
+        if room > 0:
+            self.reader.queue_read(pipe, room)
+        self.cancels.queue_read(pipe)
+        replies = pipe.execute(raise_on_error=False)
+        for error in self.outbox.sent(replies[:sent]):
+            log.error("redis refused a reply write: %s", error)
+        self.cancels.absorb(replies[-1])
+        return self.reader.parse_queued(replies[sent], room) if room > 0 else []
+
+    def _read(self, room: int, block: int | None) -> list[Entry]:
+        if room <= 0:
+            return []
         if block is not None and self.scheduler.num_waiting:
             # A batch is forming: wait for it here, not in a blocking read. Redis times blocked
             # reads out on its own clock tick (tens of ms late), which would add that much to
@@ -266,8 +298,9 @@ class Worker:
             if left > 0:
                 time.sleep(min(left, FORMING_POLL_MS / 1000))
             block = None
-        for entry in self.reader.read(room, block):
-            self._accept(entry)
+        return self.reader.read(room, block)
+
+    def _reclaim(self) -> None:
         room = self.config.batching.max_batch_size - self.scheduler.num_waiting
         claimed_now = self.reclaimer.claim(room)
         self.metrics.reclaims.inc(len(claimed_now))

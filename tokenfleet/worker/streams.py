@@ -1,8 +1,10 @@
 """Redis Streams plumbing of the worker: consumer groups, bounded reads, the outbox of replies.
 
 Everything the worker writes for one step (token events, terminal events, acknowledgements,
-dead letters) is queued in an :class:`Outbox` and sent pipelined, so a step costs one round trip
-however many requests it advanced (two when it finished some: acknowledgements go last).
+dead letters) is queued in an :class:`Outbox` and sent pipelined. While a batch runs on a plain
+Redis server, the outbox, the read of new work and the read of cancels share one round trip per
+step (:meth:`Outbox.queue_into`, :meth:`StreamReader.queue_read`); on a cluster, whose pipelines
+do not keep order across nodes, the outbox goes first and acknowledgements after its events.
 """
 
 from __future__ import annotations
@@ -132,12 +134,36 @@ class StreamReader:
                 return []
         remaining = count - len(entries)
         if remaining > 0:
-            start = next(self._rotation)
-            order = self.streams[start:] + self.streams[:start]
-            for stream, items in self._script(keys=order, args=[GROUP, self.consumer, remaining]):
-                for entry_id, flat in items:
-                    entries.append(Entry(stream.decode(), entry_id.decode(), _decode_fields(flat)))
+            entries += self._parse(self._script(keys=self._order(), args=[GROUP, self.consumer, remaining]))
         return entries
+
+    def queue_read(self, pipe: redis.client.Pipeline, count: int) -> None:
+        """Queue :meth:`read`'s non-blocking read on ``pipe``; :meth:`parse_queued` reads its reply
+        (the script by its SHA: a script call through a pipeline would cost a SCRIPT EXISTS
+        round trip of its own)."""
+        order = self._order()
+        pipe.evalsha(self._script.sha, len(order), *order, GROUP, self.consumer, count)
+
+    def parse_queued(self, reply: object, count: int) -> list[Entry]:
+        """The entries of a :meth:`queue_read` reply; if Redis had lost the script (a restart), the
+        read is made again on its own, which loads it."""
+        if isinstance(reply, redis.exceptions.NoScriptError):
+            return self.read(count, None)
+        if isinstance(reply, Exception):
+            raise reply
+        return self._parse(reply)
+
+    def _order(self) -> list[str]:
+        start = next(self._rotation)
+        return self.streams[start:] + self.streams[:start]
+
+    @staticmethod
+    def _parse(reply) -> list[Entry]:
+        return [
+            Entry(stream.decode(), entry_id.decode(), _decode_fields(flat))
+            for stream, items in reply
+            for entry_id, flat in items
+        ]
 
 
 class Outbox:
@@ -188,9 +214,9 @@ class Outbox:
         self.ack(entry.stream, entry.entry_id)
 
     def flush(self) -> list[Exception]:
-        """Send writes, then acknowledgements. On a connection error what is left stays queued
-        for a retry; commands Redis refused (e.g. a reply key that a client overwrote with
-        another type) are returned, not retried. Refused duplicates of reply events are dropped."""
+        """Send writes, then acknowledgements, in two round trips (see :meth:`queue_into` for one).
+        On a connection error what is left stays queued for a retry; commands Redis refused (e.g.
+        a reply key that a client overwrote with another type) are returned, not retried."""
         errors: list[Exception] = []
         for queue in (self._writes, self._acks):
             if not queue:
@@ -200,9 +226,32 @@ class Outbox:
                 getattr(pipe, name)(*args, **kwargs)
             results = pipe.execute(raise_on_error=False)
             queue.clear()
-            for result in results:
-                if isinstance(result, (redis.ConnectionError, redis.TimeoutError)):
-                    raise result
-                if isinstance(result, Exception) and not protocol.is_duplicate_event_error(result):
-                    errors.append(result)
+            errors += _refused(results)
         return errors
+
+    def queue_into(self, pipe: redis.client.Pipeline) -> int:
+        """Queue everything, writes before acknowledgements, on a plain (non-cluster) pipeline,
+        to share another round trip; returns how many commands, whose replies go to :meth:`sent`.
+        One server runs a pipeline in order, so if the connection drops midway, what ran is a
+        prefix: never an acknowledgement without the events queued before it."""
+        for name, args, kwargs in self._writes + self._acks:
+            getattr(pipe, name)(*args, **kwargs)
+        return len(self)
+
+    def sent(self, results: list) -> list[Exception]:
+        """After :meth:`queue_into`'s pipeline ran: clear the queues, return what Redis refused."""
+        self._writes.clear()
+        self._acks.clear()
+        return _refused(results)
+
+
+def _refused(results: list) -> list[Exception]:
+    """Errors among pipeline replies: connection errors raise; refused duplicates of reply events
+    are dropped (a retry after a lost connection re-sends events already stored)."""
+    errors = []
+    for result in results:
+        if isinstance(result, (redis.ConnectionError, redis.TimeoutError)):
+            raise result
+        if isinstance(result, Exception) and not protocol.is_duplicate_event_error(result):
+            errors.append(result)
+    return errors
