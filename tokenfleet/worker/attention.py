@@ -110,34 +110,13 @@ def paged_attention(
     meta = tokenfleet_step
     layer = module.layer_idx
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    cache = (meta.store.k[layer], meta.store.v[layer])
+    step = (query, key, value, *cache, meta.write_blocks, meta.write_offsets)
     if meta.use_kernel and not meta.is_prefill:  # the C++ operator: writes and attends, no Python
-        out = torch.ops.tokenfleet.paged_decode(
-            query,
-            key,
-            value,
-            meta.store.k[layer],
-            meta.store.v[layer],
-            meta.write_blocks,
-            meta.write_offsets,
-            meta.block_tables,
-            meta.lengths,
-            float(scale),
-        )
-        return out, None
-    out = paged_attention_op(
-        query,
-        key,
-        value,
-        meta.store.k[layer],
-        meta.store.v[layer],
-        meta.write_blocks,
-        meta.write_offsets,
-        meta.mask,
-        None if meta.is_prefill else meta.block_tables,
-        meta.lengths,
-        float(scale),
-        meta.pack_index,
-    )
+        out = torch.ops.tokenfleet.paged_decode(*step, meta.block_tables, meta.lengths, float(scale))
+    else:
+        tables = None if meta.is_prefill else meta.block_tables
+        out = paged_attention_op(*step, meta.mask, tables, meta.lengths, float(scale), meta.pack_index)
     return out, None
 
 
