@@ -231,3 +231,17 @@ def test_compiled_decode_equals_generate(tiny_model, reference):
     got = _greedy_batch(compiled, reference, PROMPTS, max_new=10)
     for i, prompt in enumerate(PROMPTS):
         assert got[f"r{i}"] == reference.greedy(reference.ids(prompt), 10, ignore_eos=True), prompt
+
+
+def test_prefill_attention_groups_prompts_of_similar_length():
+    """Packed prefill pads prompts only to the longest of their group: every row in exactly one
+    group, none shorter than GROUP_MIN_FRACTION of its group's longest."""
+    from tokenfleet.worker.attention import GROUP_MIN_FRACTION, length_groups
+
+    lengths = [128, 16, 100, 97, 20, 256, 12, 128, 90]
+    groups = length_groups(lengths)
+    assert sorted(r for g in groups for r in g) == list(range(len(lengths)))
+    for group in groups:
+        longest = max(lengths[r] for r in group)
+        assert all(lengths[r] >= GROUP_MIN_FRACTION * longest for r in group)
+    assert [sorted(g) for g in groups] == [[5], [0, 2, 3, 7], [8], [1, 4], [6]]

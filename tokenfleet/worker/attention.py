@@ -26,8 +26,8 @@ class StepMetadata:
     Every one of the step's tokens is written at its (``write_blocks``, ``write_offsets``) place
     (the padding rows of a padded decode batch go to the store's scratch block). Prefill is
     packed: the model sees the prompts laid end to end (``[1, N]``: no padding in the matmuls),
-    and attention scatters them to ``[B, L]`` rows by ``pack_index`` (each token's place in
-    ``B*L``) to run under ``mask`` ``[B, 1, L, L]``, then packs the result back. Decode attends to
+    and attention scatters prompts of similar lengths into padded rows to run under their part of
+    ``mask`` ``[B, 1, L, L]``, then packs the result back. Decode attends to
     each sequence's ``lengths`` keys found through ``block_tables`` ``[B, max_blocks]``: read in
     place by the C++ operator ``tokenfleet::paged_decode`` (``use_kernel``: it also does the
     write), or gathered and masked by ``mask`` ``[B, 1, 1, max_blocks * block_size]``.
@@ -41,7 +41,6 @@ class StepMetadata:
     block_tables: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
     use_kernel: bool = False
-    pack_index: torch.Tensor | None = None
 
 
 @torch.library.custom_op("tokenfleet::paged_attention", mutates_args=("k_cache", "v_cache"))
@@ -57,7 +56,6 @@ def paged_attention_op(
     block_tables: torch.Tensor | None,
     lengths: torch.Tensor | None,
     scale: float,
-    pack_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into one layer of the pool, attend, return ``[B, T, heads, head_dim]``.
 
@@ -67,21 +65,60 @@ def paged_attention_op(
     v_cache[write_blocks, write_offsets] = value.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim)
     gqa = kv_heads != query.shape[1]
     if block_tables is None:  # prefill, packed: the step's own keys, one row per prompt
-        rows, width = mask.shape[0], mask.shape[-1]  # [B, 1, L, L]: no int arguments to specialise on
-        q, k, v = (unpack(t, pack_index, rows, width) for t in (query, key, value))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        heads = query.shape[1]
-        return out.transpose(1, 2).reshape(rows * width, heads, head_dim).index_select(0, pack_index)[None]
+        return packed_prefill_attention(query, key, value, mask, scale, gqa)
     keys, values = PagedKVStore.gather(k_cache, v_cache, block_tables)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()
 
 
-def unpack(packed: torch.Tensor, pack_index: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-    """``[1, heads, N, head_dim]`` packed tokens to ``[rows, heads, width, head_dim]`` (zeros between)."""
+# Prompts in one attention call are padded to the longest; a shorter one joins a group while it is
+# at least this fraction of the group's longest (attention costs the square of the width).
+GROUP_MIN_FRACTION = 0.75
+
+
+def packed_prefill_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float, gqa: bool
+) -> torch.Tensor:
+    """Causal attention of prompts laid end to end (``[1, heads, N, head_dim]``), each to its own
+    tokens: prompts of similar lengths are padded into one SDPA call under ``mask`` ``[B, 1, L, L]``
+    (from which the lengths are read), so a batch of mixed lengths does not pay for the longest
+    one's square on every row. Returns ``[1, N, heads, head_dim]``."""
+    lengths = mask[:, 0, -1].sum(-1)  # the last query row of a causal mask sees all valid keys
+    starts = torch.cumsum(lengths, 0) - lengths
+    _, heads, total, head_dim = query.shape
+    out = query.new_empty(total, heads, head_dim)
+    for rows in length_groups(lengths.tolist()):
+        index = torch.tensor(rows)
+        lens = lengths[index]
+        width = int(lens.max())
+        segment = torch.repeat_interleave(torch.arange(len(rows)), lens)
+        position = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[segment]
+        src = starts[index][segment] + position  # each token's place in the packed step
+        dst = segment * width + position  # and in the group's [rows, width] padding
+        q, k, v = (unpack(t, src, dst, len(rows), width) for t in (query, key, value))
+        group_mask = mask[index][:, :, :width, :width]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group_mask, scale=scale, enable_gqa=gqa)
+        out[src] = o.transpose(1, 2).reshape(len(rows) * width, heads, head_dim)[dst]
+    return out[None]
+
+
+def length_groups(lengths: list[int]) -> list[list[int]]:
+    """Row indices grouped by similar length, longest first (see :data:`GROUP_MIN_FRACTION`)."""
+    groups: list[list[int]] = []
+    for row in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
+        if groups and lengths[row] >= GROUP_MIN_FRACTION * lengths[groups[-1][0]]:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+def unpack(packed: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """Packed tokens ``src`` of ``[1, heads, N, head_dim]`` to places ``dst`` of ``[rows, heads,
+    width, head_dim]`` (zeros between)."""
     _, heads, _, head_dim = packed.shape
     padded = packed.new_zeros(rows * width, heads, head_dim)
-    padded[pack_index] = packed[0].transpose(0, 1)
+    padded[dst] = packed[0].transpose(0, 1)[src]
     return padded.view(rows, width, heads, head_dim).transpose(1, 2)
 
 
@@ -116,7 +153,7 @@ def paged_attention(
         out = torch.ops.tokenfleet.paged_decode(*step, meta.block_tables, meta.lengths, float(scale))
     else:
         tables = None if meta.is_prefill else meta.block_tables
-        out = paged_attention_op(*step, meta.mask, tables, meta.lengths, float(scale), meta.pack_index)
+        out = paged_attention_op(*step, meta.mask, tables, meta.lengths, float(scale))
     return out, None
 
 

@@ -218,7 +218,6 @@ class Engine:
             write_blocks=tables[segment, positions // self.block_size].to(dev),
             write_offsets=(positions % self.block_size).to(dev),
             mask=(causal[None] & valid_key[:, None, :])[:, None].to(dev),
-            pack_index=(segment * width + positions).to(dev),
         )
         input_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
         compiled = (
