@@ -19,60 +19,56 @@ from tokenfleet.worker.sequence import SeqState
 MAX_READ = 10_000
 
 
+# ``cancelled``'s ``streamed`` when no shared pipeline read the stream this turn
+NOT_READ = object()
+
+
 class CancelWatch:
     def __init__(self, client: redis.Redis, keys: Keys):
         self.client = client
         self.keys = keys
         self._cursor: bytes | str = "0-0"
         self._checked: set[Hashable] = set()
-        self._ids: set[str] = set()  # cancelled request ids read from the stream, not yet matched
-        self._stream_read = False  # whether this turn's read of the stream already happened
 
     def start(self) -> None:
         """Skip cancels older than this worker: requests it takes later are checked by flag."""
         last = self.client.xrevrange(self.keys.cancels, count=1)
         self._cursor = last[0][0] if last else "0-0"
 
-    def begin_turn(self) -> None:
-        """A new turn of the worker loop: the stream has not been read for it yet."""
-        self._stream_read = False
-
     def queue_read(self, pipe: redis.client.Pipeline) -> None:
-        """Queue this turn's read of the cancels stream on a pipeline that another exchange
-        shares; its reply goes to :meth:`absorb`."""
+        """Queue this turn's read of the cancels stream on a pipeline another exchange shares;
+        its reply goes to :meth:`cancelled` as ``streamed``."""
         pipe.xread({self.keys.cancels: self._cursor}, count=MAX_READ)
 
-    def absorb(self, streamed: object) -> None:
-        """Take this turn's read of the stream (ids from an earlier turn that nobody asked about
-        are dropped: nothing was held then, and requests taken since were checked by flag)."""
+    def cancelled(self, held: list[SeqState], streamed: object = NOT_READ) -> set[Hashable]:
+        """Keys of the held sequences that were cancelled: by the stream (read here unless a
+        shared pipeline's reply is given) and by the flags of sequences not checked before."""
+        new = [seq for seq in held if seq.key not in self._checked]
+        flags: list = []
+        if new or streamed is NOT_READ:
+            pipe = self.client.pipeline(transaction=False)  # spans slots: flags spread, the stream is tagged
+            if streamed is NOT_READ:
+                self.queue_read(pipe)
+            for seq in new:
+                pipe.exists(self.keys.cancel(seq.request.id))
+            flags = pipe.execute()
+            if streamed is NOT_READ:
+                streamed = flags.pop(0)
+        ids = self._ids(streamed)
+        self._checked = {seq.key for seq in held}
+        hit = {seq.key for seq in held if seq.request.id in ids}
+        hit.update(seq.key for seq, flag in zip(new, flags) if flag)
+        return hit
+
+    def _ids(self, streamed: object) -> set[str]:
+        """Request ids in a read of the stream; moves the cursor past it."""
         if isinstance(streamed, Exception):
             raise streamed
-        self._ids.clear()
+        ids: set[str] = set()
         for _, entries in streamed or []:
             for entry_id, fields in entries:
                 self._cursor = entry_id
                 raw = fields.get(b"id")
                 if raw is not None:
-                    self._ids.add(raw.decode("utf-8", "replace"))
-        self._stream_read = True
-
-    def cancelled(self, held: list[SeqState]) -> set[Hashable]:
-        """Keys of the held sequences that were cancelled: the stream read (here, unless
-        :meth:`absorb` had this turn's) and the flags of sequences not checked before."""
-        new = [seq for seq in held if seq.key not in self._checked]
-        flags: list = []
-        if new or not self._stream_read:
-            pipe = self.client.pipeline(transaction=False)  # spans slots: flags spread, the stream is tagged
-            if not self._stream_read:
-                self.queue_read(pipe)
-            for seq in new:
-                pipe.exists(self.keys.cancel(seq.request.id))
-            replies = pipe.execute()
-            if not self._stream_read:
-                self.absorb(replies.pop(0))
-            flags = replies
-        self._checked = {seq.key for seq in held}
-        hit = {seq.key for seq in held if seq.request.id in self._ids}
-        hit.update(seq.key for seq, flag in zip(new, flags) if flag)
-        self._ids.clear()
-        return hit
+                    ids.add(raw.decode("utf-8", "replace"))
+        return ids

@@ -25,7 +25,7 @@ from tokenfleet.config import WorkerConfig
 from tokenfleet.connection import connect_client
 from tokenfleet.errors import ProtocolError
 from tokenfleet.protocol import ErrorCode, Keys
-from tokenfleet.worker.cancels import CancelWatch
+from tokenfleet.worker.cancels import NOT_READ, CancelWatch
 from tokenfleet.worker.engine import Engine
 from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.recovery import Reclaimer, read_progress
@@ -186,13 +186,13 @@ class Worker:
 
     def _turn(self) -> None:
         t0 = time.perf_counter()
-        self.cancels.begin_turn()
+        cancels_read: object = NOT_READ
         if self.stopping:
             self._flush()
         else:
-            self._intake()  # sends the last step's replies on the way
+            cancels_read = self._intake()  # sends the last step's replies on the way
         t1 = time.perf_counter()
-        self._enforce_cancels_and_deadlines()
+        self._enforce_cancels_and_deadlines(cancels_read)
         t2 = time.perf_counter()
         try:
             outputs = self.scheduler.step(flush=self.stopping)
@@ -207,8 +207,7 @@ class Worker:
         self._publish(outputs)
         if not (self._shared_round_trip and self.scheduler.busy and not self.stopping):
             self._flush()  # otherwise the next turn's read of new work takes them along
-        s = self.scheduler
-        if outputs and not (s.running or s.preempted or len(s.batcher)):
+        if outputs and not self.scheduler.held():
             self._log_memory()
         self.reclaimer.touch(lambda: [seq.key for seq in self.scheduler.held()])
         if time.monotonic() - self._last_trim > TRIM_EVERY_S:
@@ -260,21 +259,25 @@ class Worker:
             return IDLE_BLOCK_MS
         return min(IDLE_BLOCK_MS, max(1, int((ready - time.monotonic()) * 1000) + 1))
 
-    def _intake(self) -> None:
+    def _intake(self) -> object:
+        """Take new (and reclaimed) work; returns the turn's read of the cancels stream when it
+        shared the round trip, else ``NOT_READ``."""
         room = self.config.batching.max_batch_size - self.scheduler.num_waiting
         block = self._block_ms()
+        cancels_read: object = NOT_READ
         if block is None and self._shared_round_trip:
-            entries = self._exchange(room)
+            entries, cancels_read = self._exchange(room)
         else:
             self._flush()  # never wait for work with replies unsent
             entries = self._read(room, block)
         for entry in entries:
             self._accept(entry)
         self._reclaim()
+        return cancels_read
 
-    def _exchange(self, room: int) -> list[Entry]:
+    def _exchange(self, room: int) -> tuple[list[Entry], object]:
         """While a batch runs: the last step's replies out, new work and cancels in, one round
-        trip."""
+        trip; returns the new entries and the cancels stream's reply."""
         pipe = self.client.pipeline(transaction=False)
         sent = self.outbox.queue_into(pipe)
         if room > 0:
@@ -283,8 +286,8 @@ class Worker:
         replies = pipe.execute(raise_on_error=False)
         for error in self.outbox.sent(replies[:sent]):
             log.error("redis refused a reply write: %s", error)
-        self.cancels.absorb(replies[-1])
-        return self.reader.parse_queued(replies[sent], room) if room > 0 else []
+        entries = self.reader.parse_queued(replies[sent], room) if room > 0 else []
+        return entries, replies[-1]
 
     def _read(self, room: int, block: int | None) -> list[Entry]:
         if room <= 0:
@@ -518,14 +521,14 @@ class Worker:
         timeout = self.config.queue_timeout_s
         return timeout is not None and seq.started is None and now_wall - seq.enqueued_wall > timeout
 
-    def _enforce_cancels_and_deadlines(self) -> None:
+    def _enforce_cancels_and_deadlines(self, cancels_read: object = NOT_READ) -> None:
         """Stop what was cancelled (done, finish reason ``cancelled``) or ran out of time
         (``deadline_exceeded``), running or not, before the next step: blocks are freed at once
         and a waiting request never starts."""
         held = self.scheduler.held()
         if not held:
             return
-        cancelled = self.cancels.cancelled(held)
+        cancelled = self.cancels.cancelled(held, cancels_read)
         now = time.time()
         expired = {seq.key for seq in held if seq.key not in cancelled and self._expired(seq, now)}
         if not cancelled and not expired:
