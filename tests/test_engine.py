@@ -176,20 +176,21 @@ def _greedy_batch(engine, reference, prompts, max_new):
 
 
 @pytest.mark.parametrize("path", ["kernel", "gather", "padded-batch"])
-def test_every_decode_path_equals_generate(engine, reference, path):
-    """The CPU kernel reading the pool in place, the gather + SDPA fallback, and batches padded to
-    the compiled buckets (scratch-block rows) all give generate's tokens."""
-    from tokenfleet.worker.cpu_kernels import paged_decode_kernel
+def test_every_attention_path_equals_generate(engine, reference, path):
+    """The CPU kernels (decode reading the pool in place, prefill on the packed prompts), the
+    gather/padding + SDPA fallback, and batches padded to the compiled buckets (scratch-block
+    rows) all give generate's tokens."""
+    from tokenfleet.worker.cpu_kernels import paged_attention_kernels
 
-    if path == "kernel" and paged_decode_kernel() is None:
-        pytest.skip("no C++ compiler here: the kernel falls back to gather")
-    saved = engine.use_kernel, engine.pad_decode_batches
-    engine.use_kernel = path != "gather" and paged_decode_kernel() is not None
+    if path == "kernel" and paged_attention_kernels() is None:
+        pytest.skip("no C++ compiler here: the kernels fall back to gather")
+    saved = engine.use_kernel, engine.use_prefill_kernel, engine.pad_decode_batches
+    engine.use_kernel = engine.use_prefill_kernel = path != "gather" and paged_attention_kernels() is not None
     engine.pad_decode_batches = path == "padded-batch"
     try:
         got = _greedy_batch(engine, reference, PROMPTS, max_new=14)
     finally:
-        engine.use_kernel, engine.pad_decode_batches = saved
+        engine.use_kernel, engine.use_prefill_kernel, engine.pad_decode_batches = saved
     for i, prompt in enumerate(PROMPTS):
         assert got[f"r{i}"] == reference.greedy(reference.ids(prompt), 14, ignore_eos=True), prompt
     engine.allocator.check_integrity()

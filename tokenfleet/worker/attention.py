@@ -27,7 +27,9 @@ class StepMetadata:
     (the padding rows of a padded decode batch go to the store's scratch block). Prefill is
     packed: the model sees the prompts laid end to end (``[1, N]``: no padding in the matmuls),
     and attention scatters prompts of similar lengths into padded rows to run under their part of
-    ``mask`` ``[B, 1, L, L]``, then packs the result back. Decode attends to
+    ``mask`` ``[B, 1, L, L]``, then packs the result back; or, with ``use_kernel``, the C++
+    operator ``tokenfleet::paged_prefill`` attends on the packed tokens themselves (prompt ``b`` is
+    tokens ``starts[b] .. starts[b + 1]``) and does the write. Decode attends to
     each sequence's ``lengths`` keys found through ``block_tables`` ``[B, max_blocks]``: read in
     place by the C++ operator ``tokenfleet::paged_decode`` (``use_kernel``: it also does the
     write), or gathered and masked by ``mask`` ``[B, 1, 1, max_blocks * block_size]``.
@@ -40,6 +42,7 @@ class StepMetadata:
     mask: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
     use_kernel: bool = False
 
 
@@ -149,7 +152,9 @@ def paged_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     cache = (meta.store.k[layer], meta.store.v[layer])
     step = (query, key, value, *cache, meta.write_blocks, meta.write_offsets)
-    if meta.use_kernel and not meta.is_prefill:  # the C++ operator: writes and attends, no Python
+    if meta.use_kernel and meta.is_prefill:  # the C++ operators: write and attend, no Python
+        out = torch.ops.tokenfleet.paged_prefill(*step, meta.starts, float(scale))
+    elif meta.use_kernel:
         out = torch.ops.tokenfleet.paged_decode(*step, meta.block_tables, meta.lengths, float(scale))
     else:
         tables = None if meta.is_prefill else meta.block_tables

@@ -1,7 +1,8 @@
-"""The CPU paged decode-attention kernel (``csrc/paged_decode_cpu.cpp``), built on first use.
+"""The CPU paged-attention kernels (``csrc/``), built on first use.
 
-Loading it registers the operator ``torch.ops.tokenfleet.paged_decode`` (write the step's K/V,
-attend), with a shape-only implementation here so that ``torch.compile`` can trace it. It is
+Loading them registers the operators ``torch.ops.tokenfleet.paged_decode`` and
+``torch.ops.tokenfleet.paged_prefill`` (write the step's K/V into the pool, attend), with
+shape-only implementations here so that ``torch.compile`` can trace them. They are
 compiled for this machine's CPU with the C++ compiler PyTorch finds (``torch.utils.cpp_extension``),
 cached under ``~/.cache/tokenfleet/kernels/<cpu>``, and loaded once per process. When it cannot
 be built (no compiler, no ``ninja``) or ``TOKENFLEET_PAGED_KERNEL=0``, callers get ``None`` and
@@ -20,7 +21,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "paged_decode_cpu.cpp", CSRC / "paged_prefill_cpu.cpp"]
+HEADERS = [CSRC / "common.h"]
 _lock = threading.Lock()
 _module: Any = None
 _tried = False
@@ -36,11 +39,12 @@ def _cpu_tag() -> str:
         flags = platform.processor()
     import torch
 
-    key = f"{flags}|{torch.__version__}|{SOURCE.read_bytes().hex()}"
+    code = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    key = f"{flags}|{torch.__version__}|{code.hex()}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def paged_decode_kernel() -> Any:
+def paged_attention_kernels() -> Any:
     """The compiled extension module, or ``None`` when it is disabled or cannot be built."""
     global _module, _tried
     if _tried:
@@ -57,10 +61,10 @@ def paged_decode_kernel() -> Any:
             build_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
             build_dir = build_dir / "tokenfleet" / "kernels" / _cpu_tag()
             build_dir.mkdir(parents=True, exist_ok=True)
-            log.info("loading the CPU paged-attention kernel (built once per machine, ~30 s)")
+            log.info("loading the CPU paged-attention kernels (built once per machine, ~60 s)")
             _module = load(
-                name="tokenfleet_paged_decode_cpu",
-                sources=[str(SOURCE)],
+                name="tokenfleet_paged_attention_cpu",
+                sources=[str(path) for path in SOURCES],
                 extra_cflags=[
                     "-O3",
                     "-march=native",
@@ -76,7 +80,7 @@ def paged_decode_kernel() -> Any:
             )
             _register_fake()
         except Exception as e:  # no compiler, no ninja, an odd platform: the gather path still works
-            log.warning("CPU paged-attention kernel unavailable (%s); using gather + SDPA", str(e)[:300])
+            log.warning("CPU paged-attention kernels unavailable (%s); using gather + SDPA", str(e)[:300])
             _module = None
         return _module
 
@@ -87,3 +91,7 @@ def _register_fake() -> None:
     @torch.library.register_fake("tokenfleet::paged_decode")
     def _(query, key, value, k_cache, v_cache, write_blocks, write_offsets, block_tables, lengths, scale):
         return query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])
+
+    @torch.library.register_fake("tokenfleet::paged_prefill")
+    def _(query, key, value, k_cache, v_cache, write_blocks, write_offsets, starts, scale):
+        return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])

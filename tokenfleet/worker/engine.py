@@ -17,7 +17,7 @@ from tokenfleet.config import KVCacheConfig
 from tokenfleet.kvcache.allocator import BlockAllocator
 from tokenfleet.kvcache.store import PagedKVStore
 from tokenfleet.worker import attention
-from tokenfleet.worker.cpu_kernels import paged_decode_kernel
+from tokenfleet.worker.cpu_kernels import paged_attention_kernels
 from tokenfleet.worker.device import select_device, select_dtype
 
 log = logging.getLogger(__name__)
@@ -101,9 +101,10 @@ class Engine:
             self.dtype,
         )
         self.allocator = BlockAllocator(num_blocks, kv.block_size)
-        # decode attention straight from the pool on CPU; elsewhere (and without a compiler) the
-        # blocks are gathered and SDPA runs on the copy
-        self.use_kernel = self.device.type == "cpu" and paged_decode_kernel() is not None
+        # attention in C++ on CPU (decode straight from the pool, prefill on the packed prompts);
+        # elsewhere (and without a compiler) SDPA runs on gathered blocks and padded prompts
+        self.use_kernel = self.device.type == "cpu" and paged_attention_kernels() is not None
+        self.use_prefill_kernel = self.use_kernel and self.head_dim % 16 == 0  # its vector width
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.decode_buckets = decode_buckets(max_batch_size)
         self._compiled = self._compile() if compile else None
@@ -209,15 +210,21 @@ class Engine:
         starts = torch.cumsum(lengths, 0) - lengths
         positions = torch.arange(real) - starts[segment]
         tables = self._block_tables(seq_ids)
-        index = torch.arange(width)
-        causal = index[None, :] <= index[:, None]  # [L, L]
-        valid_key = index[None, :] < lengths[:, None]  # [B, L]
+        use_kernel = self.use_prefill_kernel
+        mask = None
+        if not use_kernel:  # the kernel reads prompt bounds, not a [B, 1, L, L] mask
+            index = torch.arange(width)
+            causal = index[None, :] <= index[:, None]  # [L, L]
+            valid_key = index[None, :] < lengths[:, None]  # [B, L]
+            mask = (causal[None] & valid_key[:, None, :])[:, None].to(dev)
         meta = attention.StepMetadata(
             store=self.store,
             is_prefill=True,
             write_blocks=tables[segment, positions // self.block_size].to(dev),
             write_offsets=(positions % self.block_size).to(dev),
-            mask=(causal[None] & valid_key[:, None, :])[:, None].to(dev),
+            mask=mask,
+            starts=torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)]).to(dev),
+            use_kernel=use_kernel,
         )
         input_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
         compiled = (

@@ -21,6 +21,8 @@
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 
+#include "common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -30,14 +32,7 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {  // the exact widening, as a shift the compiler vectorizes
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
+using tokenfleet::to_float;
 
 // Plain loops over one head's row: with -O3 -march=native and a compile-time length they become
 // AVX-512 code that keeps the kernel at memory speed.
@@ -90,13 +85,7 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_
       }
       for (int64_t h = 0; h < heads; ++h) {  // softmax per head
         float* s = scores.data() + h * len;
-        float mx = std::numeric_limits<float>::lowest();
-        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, s[t]);
-        float sum = 0.0f;
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - mx);
-          sum += s[t];
-        }
+        const float sum = tokenfleet::exp_shifted(s, len);
         const float inv = 1.0f / sum;
         for (int64_t t = 0; t < len; ++t) s[t] *= inv;
       }
@@ -122,50 +111,20 @@ void attend_any_dim(const at::Tensor& out, const at::Tensor& query, const at::Te
   }
 }
 
-// The step's new key/value rows into their slots: step [B, KVH, 1, D] (any strides) ->
-// cache[block, offset], one row per sequence.
-template <typename T>
-void write_step(at::Tensor& cache, const at::Tensor& step, const int64_t* blocks, const int64_t* offsets) {
-  const int64_t batch = step.size(0), kv_heads = step.size(1), head_dim = step.size(3);
-  const int64_t s_batch = step.stride(0), s_head = step.stride(1), s_dim = step.stride(3);
-  const int64_t block_size = cache.size(1), row = kv_heads * head_dim;
-  const T* src = step.data_ptr<T>();
-  T* dst = cache.data_ptr<T>();
-  for (int64_t b = 0; b < batch; ++b) {
-    T* slot = dst + (blocks[b] * block_size + offsets[b]) * row;
-    for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t d = 0; d < head_dim; ++d) slot[h * head_dim + d] = src[b * s_batch + h * s_head + d * s_dim];
-  }
-}
-
 }  // namespace
 
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                         at::Tensor& v_cache, const at::Tensor& write_blocks, const at::Tensor& write_offsets,
                         const at::Tensor& block_tables, const at::Tensor& lengths, double scale) {
   TORCH_CHECK(query.dim() == 4 && query.size(2) == 1, "query must be [B, H, 1, D]");
-  TORCH_CHECK(key.dim() == 4 && key.sizes() == value.sizes() && key.size(2) == 1, "key/value must be [B, KVH, 1, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad cache shapes");
-  TORCH_CHECK(query.size(3) == k_cache.size(3) && key.size(1) == k_cache.size(2), "cache and step heads differ");
+  TORCH_CHECK(k_cache.dim() == 4 && query.size(3) == k_cache.size(3), "cache and query head dims differ");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
-  for (const at::Tensor* t : {&key, &value, static_cast<const at::Tensor*>(&k_cache), static_cast<const at::Tensor*>(&v_cache)})
-    TORCH_CHECK(t->scalar_type() == query.scalar_type(), "query, key, value and cache dtypes differ");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
-  auto blocks = write_blocks.to(at::kLong).contiguous(), offsets = write_offsets.to(at::kLong).contiguous();
-  TORCH_CHECK(blocks.numel() == key.size(0) && offsets.numel() == key.size(0), "one write place per sequence");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes differ");
+  tokenfleet::write_step(k_cache, v_cache, key, value, write_blocks, write_offsets);
   auto tables = block_tables.to(at::kLong).contiguous();
   auto lens = lengths.to(at::kLong).contiguous();
   TORCH_CHECK(tables.size(0) == query.size(0) && lens.size(0) == query.size(0), "one table and length per query");
   auto out = at::empty({query.size(0), 1, query.size(1), query.size(3)}, query.options());
-  const int64_t *b = blocks.data_ptr<int64_t>(), *off = offsets.data_ptr<int64_t>();
-  switch (query.scalar_type()) {
-    case at::kFloat: write_step<float>(k_cache, key, b, off), write_step<float>(v_cache, value, b, off); break;
-    case at::kBFloat16:
-      write_step<c10::BFloat16>(k_cache, key, b, off), write_step<c10::BFloat16>(v_cache, value, b, off);
-      break;
-    case at::kHalf: write_step<c10::Half>(k_cache, key, b, off), write_step<c10::Half>(v_cache, value, b, off); break;
-    default: TORCH_CHECK(false, "unsupported dtype ", query.scalar_type());
-  }
   switch (query.scalar_type()) {
     case at::kFloat: attend_any_dim<float>(out, query, k_cache, v_cache, tables, lens, scale); break;
     case at::kBFloat16: attend_any_dim<c10::BFloat16>(out, query, k_cache, v_cache, tables, lens, scale); break;

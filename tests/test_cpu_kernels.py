@@ -1,0 +1,89 @@
+"""The C++ attention operators against SDPA on the same tensors: every prompt length (1 included),
+grouped-query heads, head sizes the vector code splits differently, float32 and bfloat16, and the
+K/V rows they write into the pool."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenfleet.worker.cpu_kernels import paged_attention_kernels
+
+pytestmark = pytest.mark.skipif(
+    paged_attention_kernels() is None, reason="no C++ compiler: the SDPA fallback only"
+)
+
+BLOCK = 16
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def causal_reference(q, k, v, rows: slice) -> torch.Tensor:
+    """SDPA in float32 over one prompt's tokens: ``[1, heads, n, D]``."""
+    q, k, v = (t[:, :, rows].float() for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def assert_close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def packed_prompts(lengths, heads, kv_heads, head_dim, dtype, seed=0):
+    """Queries/keys/values laid end to end as the model hands them over ([1, heads, N, D] views of
+    [1, N, heads, D]), a pool, and where each token's K/V go in it (each prompt in its own blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+
+    def heads_view(h):
+        return torch.randn(1, total, h, head_dim, generator=gen).to(dtype).transpose(1, 2)
+
+    q, k, v = heads_view(heads), heads_view(kv_heads), heads_view(kv_heads)
+    blocks = [(n + BLOCK - 1) // BLOCK for n in lengths]
+    pool = torch.zeros(sum(blocks) + 1, BLOCK, kv_heads, head_dim, dtype=dtype)
+    first = torch.cumsum(torch.tensor([0] + blocks[:-1]), 0)
+    places = [(int(first[i]) + t // BLOCK, t % BLOCK) for i, n in enumerate(lengths) for t in range(n)]
+    write_blocks = torch.tensor([b for b, _ in places], dtype=torch.long)
+    write_offsets = torch.tensor([o for _, o in places], dtype=torch.long)
+    return q, k, v, pool, pool.clone(), write_blocks, write_offsets
+
+
+@pytest.mark.parametrize(
+    "lengths, heads, kv_heads, head_dim, dtype",
+    [
+        ([5, 1, 17, 64], 4, 2, 64, torch.float32),
+        ([128, 128, 3], 12, 12, 64, torch.bfloat16),
+        ([300, 7], 8, 8, 128, torch.bfloat16),
+        ([33, 2], 4, 1, 80, torch.float32),
+        ([1], 2, 2, 16, torch.bfloat16),
+    ],
+)
+def test_prefill_operator_equals_sdpa_per_prompt(lengths, heads, kv_heads, head_dim, dtype):
+    q, k, v, k_pool, v_pool, blocks, offsets = packed_prompts(lengths, heads, kv_heads, head_dim, dtype)
+    starts = torch.cumsum(torch.tensor([0, *lengths]), 0)
+    out = torch.ops.tokenfleet.paged_prefill(q, k, v, k_pool, v_pool, blocks, offsets, starts, head_dim**-0.5)
+    assert out.shape == (1, sum(lengths), heads, head_dim) and out.dtype == dtype
+    for b, n in enumerate(lengths):
+        rows = slice(int(starts[b]), int(starts[b]) + n)
+        assert_close(out[:, rows], causal_reference(q, k, v, rows).transpose(1, 2), dtype)
+    assert torch.equal(k_pool[blocks, offsets], k[0].transpose(0, 1))
+    assert torch.equal(v_pool[blocks, offsets], v[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_operator_equals_sdpa_over_the_pool(dtype):
+    """Three sequences whose earlier tokens sit in the pool, one new token each."""
+    lengths, heads, kv_heads, head_dim = [9, 1, 40], 4, 2, 64
+    totals = [n + 1 for n in lengths]
+    q, k, v, k_pool, v_pool, blocks, offsets = packed_prompts(totals, heads, kv_heads, head_dim, dtype)
+    ends = torch.cumsum(torch.tensor(totals), 0)
+    last = ends - 1  # each sequence's newest token: written and attended by the decode operator
+    history = torch.cat([torch.arange(int(e) - n - 1, int(e) - 1) for e, n in zip(ends, lengths)])
+    k_pool[blocks[history], offsets[history]] = k[0].transpose(0, 1)[history]
+    v_pool[blocks[history], offsets[history]] = v[0].transpose(0, 1)[history]
+    first_block = blocks[ends - torch.tensor(lengths) - 1]
+    tables = torch.stack([first_block + i for i in range(3)], 1)  # 3 blocks each (enough for 41)
+    step = [t[0, :, last].transpose(0, 1)[:, :, None] for t in (q, k, v)]  # [B, heads, 1, D]
+    out = torch.ops.tokenfleet.paged_decode(
+        *step, k_pool, v_pool, blocks[last], offsets[last], tables, torch.tensor(lengths) + 1, head_dim**-0.5
+    )
+    for b, n in enumerate(lengths):
+        rows = slice(int(ends[b]) - n - 1, int(ends[b]))
+        assert_close(out[b, 0], causal_reference(q, k, v, rows)[0, :, -1], dtype)

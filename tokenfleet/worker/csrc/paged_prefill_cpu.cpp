@@ -1,0 +1,326 @@
+// Causal prefill attention for the CPU, over prompts laid end to end: each prompt's tokens attend
+// to its own earlier tokens, with no padding to the batch's longest prompt, no [L, L] mask, and no
+// scores computed above the diagonal. SDPA on the same work pads, masks and runs at ~100 GFLOP/s;
+// this runs register-blocked float32 FMAs and skips the upper triangle.
+//
+// Registered as tokenfleet::paged_prefill, which also writes the prompts' K/V into the pool.
+//
+// Layouts:
+//   query        [1, H, N, D]        the packed prompts' queries (any strides)
+//   key, value   [1, KVH, N, D]      their keys and values (any strides)
+//   k_cache      [NB, BS, KVH, D]    one layer of the pool (v_cache the same), contiguous
+//   write_blocks [N], write_offsets [N] int64: where each token's key/value go
+//   starts       [B + 1] int64       prompt b is packed tokens starts[b] .. starts[b + 1]
+//   returns      [1, N, H, D]        the layout Hugging Face attention functions return
+// Work is split over (prompt, kv head, block of query rows); D must be a multiple of 16.
+
+#include <torch/extension.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "common.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+
+using tokenfleet::load;
+using tokenfleet::store;
+using tokenfleet::vec;
+using tokenfleet::W;
+constexpr int64_t ROWS = 4;        // query rows per register block
+constexpr int64_t TASK_ROWS = 256;  // query rows per parallel task (each loads the keys up to its last row)
+
+// --- float32 path: any CPU, any dtype (bf16 and fp16 inputs widened) ---------------------------
+
+// s[r][t0 .. t0 + J*W) = scale * q[r] . kt[:, t], for ROWS query rows; kt is [D][ld] (keys transposed).
+template <int J>
+inline void score_block(const float* q, int64_t d_len, const float* kt, int64_t ld, int64_t t0, float* s,
+                        float scale) {
+  vec acc[ROWS][J] = {};
+  for (int64_t d = 0; d < d_len; ++d) {
+    vec k[J];
+    for (int j = 0; j < J; ++j) k[j] = load(kt + d * ld + t0 + j * W);
+    for (int r = 0; r < ROWS; ++r) {
+      const float qv = q[r * d_len + d];
+      for (int j = 0; j < J; ++j) acc[r][j] += qv * k[j];
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < J; ++j) store(s + r * ld + t0 + j * W, acc[r][j] * scale);
+}
+
+// o[r][d0 .. d0 + J*W) = sum_t p[r][t] * v[t][d], for ROWS rows over t < n; v is [n][D].
+template <int J>
+inline void value_block(const float* p, int64_t p_ld, int64_t n, const float* v, int64_t d_len, int64_t d0,
+                        float* o) {
+  vec acc[ROWS][J] = {};
+  for (int64_t t = 0; t < n; ++t) {
+    vec x[J];
+    for (int j = 0; j < J; ++j) x[j] = load(v + t * d_len + d0 + j * W);
+    for (int r = 0; r < ROWS; ++r) {
+      const float pv = p[r * p_ld + t];
+      for (int j = 0; j < J; ++j) acc[r][j] += pv * x[j];
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < J; ++j) store(o + r * d_len + d0 + j * W, acc[r][j]);
+}
+
+// Calls block<J>(offset) over [0, width) in steps of 4 vectors, then the rest (widths are multiples of W).
+template <typename Block>
+inline void over_vectors(int64_t width, Block&& block) {
+  int64_t x = 0;
+  for (; x + 4 * W <= width; x += 4 * W) block.template operator()<4>(x);
+  switch ((width - x) / W) {
+    case 3: block.template operator()<3>(x); break;
+    case 2: block.template operator()<2>(x); break;
+    case 1: block.template operator()<1>(x); break;
+    default: break;
+  }
+}
+
+// Rows of a head are a stride apart (the model's [N, heads * D] projections, viewed per head): the
+// hardware prefetcher does not run ahead of such reads on its own.
+constexpr int64_t PREFETCH_AHEAD = 4;  // rows
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t elements) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t byte = 0; byte < elements * static_cast<int64_t>(sizeof(T)); byte += 64) __builtin_prefetch(p + byte);
+}
+
+template <typename T>
+struct Float32Path {
+  int64_t d_len, ld = 0;
+  std::vector<float> kt, v, q;
+
+  explicit Float32Path(int64_t d) : d_len(d), q(ROWS * d) {}
+
+  // keys transposed ([D][ld]) and values ([ld][D]) of the first n tokens, zeros past them
+  void load_keys_values(const T* k, int64_t k_tok, int64_t k_dim, const T* x, int64_t v_tok, int64_t v_dim,
+                        int64_t n, int64_t width) {
+    ld = width;
+    kt.assign(d_len * ld, 0.0f);
+    v.assign(ld * d_len, 0.0f);
+    for (int64_t t = 0; t < n; ++t) {
+      prefetch_row(k + (t + PREFETCH_AHEAD) * k_tok, d_len * k_dim);
+      prefetch_row(x + (t + PREFETCH_AHEAD) * v_tok, d_len * v_dim);
+      for (int64_t d = 0; d < d_len; ++d) {
+        kt[d * ld + t] = tokenfleet::to_float(k[t * k_tok + d * k_dim]);
+        v[t * d_len + d] = tokenfleet::to_float(x[t * v_tok + d * v_dim]);
+      }
+    }
+  }
+
+  void load_query(int64_t r, const T* src, int64_t q_dim) {
+    for (int64_t d = 0; d < d_len; ++d) q[r * d_len + d] = tokenfleet::to_float(src[d * q_dim]);
+  }
+
+  void scores(int64_t width, float* s, float scale) {
+    over_vectors(width, [&]<int J>(int64_t t0) { score_block<J>(q.data(), d_len, kt.data(), ld, t0, s, scale); });
+  }
+
+  void values(const float* p, int64_t n, float* o) {
+    over_vectors(d_len, [&]<int J>(int64_t d0) { value_block<J>(p, ld, n, v.data(), d_len, d0, o); });
+  }
+};
+
+#ifdef __AVX512BF16__
+// --- bf16 path: AVX512-BF16 dot products (two multiply-adds per lane), float32 sums ---------------
+// The matmuls take bf16 inputs with float32 accumulation, as SDPA's do on bf16 tensors: keys are
+// stored as pairs of head dims per lane ([D/2][ld] words), values as pairs of tokens per lane
+// ([ld/2][D] words), probabilities rounded to bf16 before multiplying the values.
+
+inline __m512 dot_pairs(__m512 acc, uint32_t a, const uint32_t* b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(a)),
+                          (__m512bh)_mm512_loadu_si512(b));
+}
+
+template <int J>
+inline void score_block_bf16(const uint32_t* q, int64_t pairs, const uint32_t* kp, int64_t ld, int64_t t0, float* s,
+                             float scale) {
+  __m512 acc[ROWS][J];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; ++i)
+    for (int r = 0; r < ROWS; ++r)
+      for (int j = 0; j < J; ++j) acc[r][j] = dot_pairs(acc[r][j], q[r * pairs + i], kp + i * ld + t0 + j * W);
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < J; ++j) _mm512_storeu_ps(s + r * ld + t0 + j * W, _mm512_mul_ps(acc[r][j], _mm512_set1_ps(scale)));
+}
+
+template <int J>
+inline void value_block_bf16(const uint32_t* p, int64_t p_ld, int64_t pairs, const uint32_t* vp, int64_t d_len,
+                             int64_t d0, float* o) {
+  __m512 acc[ROWS][J];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; ++i)
+    for (int r = 0; r < ROWS; ++r)
+      for (int j = 0; j < J; ++j) acc[r][j] = dot_pairs(acc[r][j], p[r * p_ld + i], vp + i * d_len + d0 + j * W);
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < J; ++j) _mm512_storeu_ps(o + r * d_len + d0 + j * W, acc[r][j]);
+}
+
+struct BFloat16Path {
+  int64_t d_len, ld = 0;
+  std::vector<uint32_t> kp, vp, q, p;  // bf16 pairs
+
+  explicit BFloat16Path(int64_t d) : d_len(d), q(ROWS * d / 2) {}
+
+  static uint32_t pair(const c10::BFloat16* x, int64_t stride) {
+    return static_cast<uint32_t>(x[0].x) | static_cast<uint32_t>(x[stride].x) << 16;
+  }
+
+  void load_keys_values(const c10::BFloat16* k, int64_t k_tok, int64_t k_dim, const c10::BFloat16* x,
+                        int64_t v_tok, int64_t v_dim, int64_t n, int64_t width) {
+    ld = width;
+    const int64_t pairs = d_len / 2;
+    kp.assign(pairs * ld, 0);
+    vp.assign(ld / 2 * d_len, 0);
+    p.resize(ROWS * ld / 2);
+    for (int64_t t = 0; t < n; ++t) {
+      prefetch_row(k + (t + PREFETCH_AHEAD) * k_tok, d_len * k_dim);
+      for (int64_t i = 0; i < pairs; ++i) kp[i * ld + t] = pair(k + t * k_tok + 2 * i * k_dim, k_dim);
+    }
+    for (int64_t t = 0; t < n; ++t) {  // token t is half of the word at (t / 2, d)
+      prefetch_row(x + (t + PREFETCH_AHEAD) * v_tok, d_len * v_dim);
+      uint16_t* half = reinterpret_cast<uint16_t*>(vp.data() + t / 2 * d_len) + t % 2;
+      for (int64_t d = 0; d < d_len; ++d) half[2 * d] = x[t * v_tok + d * v_dim].x;
+    }
+  }
+
+  void load_query(int64_t r, const c10::BFloat16* src, int64_t q_dim) {
+    for (int64_t i = 0; i < d_len / 2; ++i) q[r * d_len / 2 + i] = pair(src + 2 * i * q_dim, q_dim);
+  }
+
+  void scores(int64_t width, float* s, float scale) {
+    over_vectors(width, [&]<int J>(int64_t t0) {
+      score_block_bf16<J>(q.data(), d_len / 2, kp.data(), ld, t0, s, scale);
+    });
+  }
+
+  void values(const float* probs, int64_t n, float* o) {
+    const int64_t words = (n + 1) / 2;
+    for (int64_t r = 0; r < ROWS; ++r)  // each row's probabilities, rounded to bf16, as pairs of tokens
+      for (int64_t t = 0; t < 2 * words; t += 2 * W) {
+        const __m512bh two = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(probs + r * ld + t + W), _mm512_loadu_ps(probs + r * ld + t));
+        _mm512_storeu_si512(p.data() + r * (ld / 2) + t / 2, (__m512i)two);
+      }
+    over_vectors(d_len, [&]<int J>(int64_t d0) {
+      value_block_bf16<J>(p.data(), ld / 2, words, vp.data(), d_len, d0, o);
+    });
+  }
+};
+#endif
+
+struct Task {
+  int64_t start;       // the prompt's first packed token
+  int64_t kv_head;
+  int64_t row0, row1;  // the prompt's query rows this task computes
+};
+
+// Causal attention of every task's rows, with the arithmetic of Path.
+template <typename T, typename Path>
+void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+            const std::vector<Task>& tasks, double scale) {
+  const int64_t heads = query.size(1), kv_heads = key.size(1), d_len = query.size(3);
+  const int64_t group = heads / kv_heads;
+  const T* qp = query.data_ptr<T>();
+  const T* kp = key.data_ptr<T>();
+  const T* vp = value.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    Path path(d_len);
+    std::vector<float> s, o(ROWS * d_len);
+    for (int64_t i = begin; i < end; ++i) {
+      const Task& task = tasks[i];
+      const int64_t n = task.row1;  // keys this task needs: the prompt's first row1 tokens
+      const int64_t ld = (n + ROWS + 2 * W - 1) / (2 * W) * (2 * W);  // room for the last block's overhang
+      path.load_keys_values(kp + task.kv_head * key.stride(1) + task.start * key.stride(2), key.stride(2),
+                            key.stride(3), vp + task.kv_head * value.stride(1) + task.start * value.stride(2),
+                            value.stride(2), value.stride(3), n, ld);
+      s.assign(ROWS * ld, 0.0f);
+      for (int64_t h = task.kv_head * group; h < (task.kv_head + 1) * group; ++h) {
+        for (int64_t r0 = task.row0; r0 < task.row1; r0 += ROWS) {
+          const int64_t rows = std::min(ROWS, task.row1 - r0);
+          const T* next = qp + h * query.stride(1) + (task.start + std::min(r0 + ROWS, n - 1)) * query.stride(2);
+          for (int64_t r = 0; r < ROWS; ++r) prefetch_row(next + r * query.stride(2), d_len * query.stride(3));
+          for (int64_t r = 0; r < ROWS; ++r)  // rows past the task's end repeat its last row, unused
+            path.load_query(r, qp + h * query.stride(1) + (task.start + r0 + std::min(r, rows - 1)) * query.stride(2),
+                            query.stride(3));
+          const int64_t width = (r0 + ROWS + W - 1) / W * W;  // keys up to the block's last row
+          path.scores(width, s.data(), fscale);
+          float inv[ROWS];
+          for (int64_t r = 0; r < ROWS; ++r) {  // causal softmax of row r0 + r: keys 0 .. r0 + r
+            float* row = s.data() + r * ld;
+            const int64_t keys = r0 + r + 1;
+            inv[r] = 1.0f / tokenfleet::exp_shifted(row, keys);
+            std::fill(row + keys, row + width, 0.0f);
+          }
+          path.values(s.data(), std::min(r0 + ROWS, ld), o.data());
+          for (int64_t r = 0; r < rows; ++r) {
+            T* dst = op + ((task.start + r0 + r) * heads + h) * d_len;
+            for (int64_t d = 0; d < d_len; ++d) dst[d] = static_cast<T>(o[r * d_len + d] * inv[r]);
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                         at::Tensor& v_cache, const at::Tensor& write_blocks, const at::Tensor& write_offsets,
+                         const at::Tensor& starts, double scale) {
+  TORCH_CHECK(query.dim() == 4 && query.size(0) == 1, "query must be [1, H, N, D]");
+  TORCH_CHECK(key.dim() == 4 && key.size(0) == 1 && key.sizes() == value.sizes(), "key/value must be [1, KVH, N, D]");
+  TORCH_CHECK(key.size(2) == query.size(2) && key.size(3) == query.size(3), "query and key tokens/dims differ");
+  TORCH_CHECK(query.size(1) % key.size(1) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(query.size(3) % W == 0, "head_dim must be a multiple of 16");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type(), "query and key dtypes differ");
+  // the packed tokens as rows [N, KVH, 1, D] for the pool
+  tokenfleet::write_step(k_cache, v_cache, key[0].transpose(0, 1).unsqueeze(2), value[0].transpose(0, 1).unsqueeze(2),
+                         write_blocks, write_offsets);
+  auto bounds = starts.to(at::kLong).contiguous();
+  const int64_t* b = bounds.data_ptr<int64_t>();
+  const int64_t prompts = bounds.numel() - 1, tokens = query.size(2);
+  TORCH_CHECK(prompts >= 0 && b[0] == 0 && b[prompts] == tokens, "starts must run from 0 to the token count");
+  std::vector<Task> tasks;
+  for (int64_t p = 0; p < prompts; ++p) {
+    const int64_t len = b[p + 1] - b[p];
+    TORCH_CHECK(len >= 0, "starts must not decrease");
+    for (int64_t g = 0; g < key.size(1); ++g)
+      for (int64_t r = 0; r < len; r += TASK_ROWS) tasks.push_back({b[p], g, r, std::min(len, r + TASK_ROWS)});
+  }
+  auto out = at::empty({1, tokens, query.size(1), query.size(3)}, query.options());
+  switch (query.scalar_type()) {
+    case at::kFloat: attend<float, Float32Path<float>>(out, query, key, value, tasks, scale); break;
+#ifdef __AVX512BF16__
+    case at::kBFloat16: attend<c10::BFloat16, BFloat16Path>(out, query, key, value, tasks, scale); break;
+#else
+    case at::kBFloat16: attend<c10::BFloat16, Float32Path<c10::BFloat16>>(out, query, key, value, tasks, scale); break;
+#endif
+    case at::kHalf: attend<c10::Half, Float32Path<c10::Half>>(out, query, key, value, tasks, scale); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", query.scalar_type());
+  }
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(tokenfleet, m) {
+  m.def(
+      "paged_prefill(Tensor query, Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor write_blocks, Tensor write_offsets, Tensor starts, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenfleet, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
