@@ -344,6 +344,7 @@ def run_e2e(
     wait_ms: float,
     stream_interval_ms: float = 0.0,
     compile: bool = False,
+    shared_client: bool = True,
 ) -> dict:
 
     from tokenfleet.embedded import EmbeddedRedis
@@ -355,33 +356,48 @@ def run_e2e(
     flags += ["--num-blocks", str(pool_blocks(reqs, max_batch_size))]
     flags += ["--stream-interval-ms", str(stream_interval_ms), "--compile" if compile else "--no-compile"]
     with EmbeddedRedis() as server, worker_process(server.url, prefix, model_dir, flags, allocator_env()):
-        traces, wall = asyncio.run(drive_clients(server.url, model_dir, prefix, reqs, AsyncClient))
-    note = f"worker process + Redis, {len(reqs)} concurrent clients, max_wait_ms {wait_ms:g}"
+        traces, wall = asyncio.run(
+            drive_clients(server.url, model_dir, prefix, reqs, AsyncClient, shared_client)
+        )
+    clients = "through one asyncio client" if shared_client else "a client each"
+    note = f"worker process + Redis, {len(reqs)} concurrent requests {clients}, max_wait_ms {wait_ms:g}"
     note += f", stream_interval_ms {stream_interval_ms:g}" + (", --compile" if compile else "")
     note += ", tcmalloc" if allocator_env() else ""
     return summarize("tokenfleet-e2e" + ("-compile" if compile else ""), traces, wall, note)
 
 
-async def drive_clients(url: str, model_dir: str, prefix: str, reqs: list[Req], client_cls):
+async def drive_clients(
+    url: str, model_dir: str, prefix: str, reqs: list[Req], client_cls, shared: bool = True
+):
+    """Each request submitted at its arrival time and streamed token by token, concurrently: through
+    one client (``shared``: as an API server proxying its users would; it follows every reply
+    stream with one XREAD) or a client each (each following its own stream)."""
     traces = [Trace(0.0) for _ in reqs]
     async with client_cls(url, model=model_dir, prefix=prefix) as warm:  # warm-up request
         await (await warm.submit(input_ids=[3, 4, 5], max_new_tokens=2, ignore_eos=True)).result(timeout=300)
 
-    async def one(req: Req, trace: Trace, start: float) -> None:
+    async def one(client, req: Req, trace: Trace, start: float) -> None:
+        await client.buckets()  # connected, and the fleet's buckets known, before it arrives
+        await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
+        trace.arrival = time.perf_counter()
+        handle = await client.submit(
+            input_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens, ignore_eos=True
+        )
+        async for chunk in handle.stream(timeout=600):
+            now = time.perf_counter()
+            trace.token_ids.extend(chunk.token_ids)
+            trace.token_times.extend([now] * len(chunk.token_ids))
+
+    async def own_client(req: Req, trace: Trace, start: float) -> None:
         async with client_cls(url, model=model_dir, prefix=prefix) as client:
-            await client.buckets()  # connected, and the fleet's buckets known, before it arrives
-            await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
-            trace.arrival = time.perf_counter()
-            handle = await client.submit(
-                input_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens, ignore_eos=True
-            )
-            async for chunk in handle.stream(timeout=600):
-                now = time.perf_counter()
-                trace.token_ids.extend(chunk.token_ids)
-                trace.token_times.extend([now] * len(chunk.token_ids))
+            await one(client, req, trace, start)
 
     start = time.perf_counter() + 0.5  # every client connected before the first arrival
-    await asyncio.gather(*(one(r, t, start) for r, t in zip(reqs, traces)))
+    if shared:
+        async with client_cls(url, model=model_dir, prefix=prefix) as client:
+            await asyncio.gather(*(one(client, r, t, start) for r, t in zip(reqs, traces)))
+    else:
+        await asyncio.gather(*(own_client(r, t, start) for r, t in zip(reqs, traces)))
     return traces, time.perf_counter() - start
 
 
@@ -526,6 +542,12 @@ def main() -> None:
         default=0.0,
         help="tokenfleet-e2e's worker (0: every token its own event)",
     )
+    p.add_argument(
+        "--client-per-request",
+        action="store_true",
+        help="tokenfleet-e2e: an asyncio client per request, each reading its own reply stream "
+        "(default: all requests through one client, which reads every reply stream in one XREAD)",
+    )
     p.add_argument("--b1-requests", type=int, default=4, help="requests hf-generate-b1 runs")
     p.add_argument("--only", help=f"comma-separated rows among {','.join(ROWS)}")
     p.add_argument("--seed", type=int, default=0)
@@ -575,6 +597,7 @@ def main() -> None:
         max_seq_len,
         args.max_wait_ms,
         args.stream_interval_ms,
+        shared_client=not args.client_per_request,
     )
     vllm = partial(run_vllm, model_dir, args.dtype, reqs, args.max_batch_size, max_seq_len)
     runners = {

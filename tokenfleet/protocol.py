@@ -104,6 +104,11 @@ class Keys:
         """Per-request stream of ``token`` events and one terminal ``done``/``error`` event."""
         return f"{self.prefix}:reply:{request_id}"
 
+    def client_wake(self, client_id: str) -> str:
+        """A client's own stream: an entry ends the client's blocked XREAD over the reply streams
+        it follows, so that the next read includes a stream it started following (expires)."""
+        return f"{self.prefix}:client:{client_id}:wake"
+
     def cancel(self, request_id: str) -> str:
         """Exists (any value, with a TTL) when a request is cancelled; checked when a worker takes it."""
         return f"{self.prefix}:cancel:{request_id}"

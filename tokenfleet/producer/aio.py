@@ -17,6 +17,7 @@ from tokenfleet.config import redis_url_from_env
 from tokenfleet.connection import connect_async_client
 from tokenfleet.producer.base import ClientBase
 from tokenfleet.producer.client import CANCEL_TTL_S, CANCELS_MAXLEN, RECONNECT_GIVE_UP_S
+from tokenfleet.producer.replies import ReplyReader
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
 from tokenfleet.producer.routing import (
     enqueue_args,
@@ -40,6 +41,8 @@ class AsyncClient(ClientBase):
         super().__init__(
             client or connect_async_client(redis_url_from_env(redis_url)), model, prefix, buckets
         )
+        cluster = isinstance(self.redis, aioredis.RedisCluster)
+        self._replies = None if cluster else ReplyReader(self.redis, self.keys, RECONNECT_GIVE_UP_S)
 
     async def buckets(self) -> list[int]:
         cached = self._cached_buckets()
@@ -65,6 +68,35 @@ class AsyncClient(ClientBase):
         return AsyncHandle(self, request.id)
 
     async def events(self, request_id: str, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
+        """The request's reply events in order, until its terminal one; raises
+        :class:`~tokenfleet.errors.ResultTimeout` when ``timeout`` seconds pass first."""
+        if self._replies is None:  # Cluster: reply streams on different slots, one XREAD each
+            async for event in self._events_one_read_each(request_id, timeout):
+                yield event
+            return
+        key = self.keys.reply_stream(request_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        inbox = await self._replies.follow(key)
+        try:
+            while True:
+                block_s = next_block_ms(request_id, deadline, timeout) / 1000
+                try:
+                    entries = await asyncio.wait_for(inbox.get(), None if deadline is None else block_s)
+                except TimeoutError:
+                    continue  # next_block_ms raises once the deadline has passed
+                if isinstance(entries, BaseException):
+                    raise entries
+                for _, fields in entries:
+                    event = protocol.decode_event(fields)
+                    yield event
+                    if event["type"] in TERMINAL_EVENTS:
+                        return
+        finally:
+            self._replies.unfollow(key)
+
+    async def _events_one_read_each(
+        self, request_id: str, timeout: float | None
+    ) -> AsyncIterator[dict[str, Any]]:
         key = self.keys.reply_stream(request_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         last = "0"
@@ -114,6 +146,8 @@ class AsyncClient(ClientBase):
         await pipe.execute()
 
     async def close(self) -> None:
+        if self._replies is not None:
+            await self._replies.close()
         await self.redis.aclose()
 
     async def __aenter__(self) -> AsyncClient:

@@ -1,0 +1,89 @@
+"""The asyncio client's one XREAD over every reply stream it follows, against a real Redis: each
+follower gets its own entries in order, a new follower is not held up by a read already blocked,
+and a client streaming many requests reads once per worker step, not once per request."""
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from tokenfleet.errors import ResultTimeout
+from tokenfleet.producer import AsyncClient
+from tokenfleet.producer import replies as replies_module
+from tokenfleet.producer.replies import ReplyReader
+from tokenfleet.protocol import Keys
+
+
+def test_followers_get_their_own_entries_and_a_new_one_ends_a_blocked_read(redis_url, prefix, monkeypatch):
+    # a blocked read that ignored a new follower would hold it for READ_BLOCK_MS: make that 30 s
+    monkeypatch.setattr(replies_module, "READ_BLOCK_MS", 30_000)
+    keys = Keys(prefix)
+
+    async def go():
+        conn = aioredis.Redis.from_url(redis_url)
+        reader = ReplyReader(conn, keys, give_up_s=5)
+        try:
+            first = await reader.follow(keys.reply_stream("a"))
+            await asyncio.sleep(0.2)  # the read is now blocked on stream a alone
+            second = await reader.follow(keys.reply_stream("b"))
+            await conn.xadd(keys.reply_stream("b"), {"n": 1})
+            got_b = await asyncio.wait_for(second.get(), 5)
+            for n in range(3):
+                await conn.xadd(keys.reply_stream("a"), {"n": n})
+            got_a = []
+            while len(got_a) < 3:
+                got_a += await asyncio.wait_for(first.get(), 5)
+            assert await conn.exists(reader.wake_key)
+            reader.unfollow(keys.reply_stream("a"))
+            reader.unfollow(keys.reply_stream("b"))
+            await reader.close()
+            return got_a, got_b, await conn.exists(reader.wake_key)
+        finally:
+            await conn.aclose()
+
+    got_a, got_b, wake_left = asyncio.run(go())
+    assert [fields[b"n"] for _, fields in got_b] == [b"1"]
+    assert [fields[b"n"] for _, fields in got_a] == [b"0", b"1", b"2"]
+    assert not wake_left  # close() removes the client's wake-up stream
+
+
+def test_a_client_streaming_many_requests_reads_once_per_step(
+    run_worker, redis_url, prefix, model_path, reference
+):
+    prompts = ["Hello", "a b c", "queue", "stream token", "x y", "fleet", "redis", "zz"]
+    new_tokens = 16
+
+    async def go():
+        async with AsyncClient(redis_url, model=str(model_path), prefix=prefix) as client:
+            reads = 0
+            xread = client.redis.xread
+
+            async def counting_xread(*args, **kwargs):
+                nonlocal reads
+                reads += 1
+                return await xread(*args, **kwargs)
+
+            client.redis.xread = counting_xread
+            handles = [await client.submit(p, max_new_tokens=new_tokens, ignore_eos=True) for p in prompts]
+
+            async def follow(handle):
+                return [t for chunk in [c async for c in handle.stream(timeout=120)] for t in chunk.token_ids]
+
+            return await asyncio.gather(*(follow(h) for h in handles)), reads
+
+    with run_worker():
+        streamed, reads = asyncio.run(go())
+    for prompt, tokens in zip(prompts, streamed):
+        assert tokens == reference.greedy(reference.ids(prompt), new_tokens, ignore_eos=True), prompt
+    # one read per request per token would be len(prompts) * new_tokens = 128
+    assert reads <= 3 * new_tokens, reads
+
+
+def test_async_events_time_out_when_nothing_comes(redis_url, prefix):
+    async def go():
+        async with AsyncClient(redis_url, prefix=prefix) as client:
+            with pytest.raises(ResultTimeout):
+                async for _ in client.events("never-submitted", timeout=0.3):
+                    pass
+
+    asyncio.run(go())

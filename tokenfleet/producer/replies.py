@@ -1,0 +1,97 @@
+"""One blocking XREAD for every reply stream an asyncio client follows.
+
+A client following N requests with N XREADs pays N round trips and N wake-ups per worker step
+(a step adds one event to each of them); one XREAD over all N streams pays one of each. On a
+machine shared with the worker that client CPU is taken from the model, and an API server that
+proxies many requests through one client pays it per request.
+
+A request that starts following while the read is blocked must not wait for the others' next
+event: :meth:`ReplyReader.follow` adds an entry to the client's own wake-up stream, which the
+blocked read includes, so the read returns at once and the next one includes the new stream.
+Reply streams of a Redis Cluster live on different slots (one XREAD cannot span them): there
+the client reads each stream on its own (see :class:`~tokenfleet.producer.aio.AsyncClient`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from tokenfleet.producer.routing import READ_BLOCK_MS
+from tokenfleet.protocol import Keys
+
+WAKE_TTL_S = 3600  # a client that dies without closing leaves its wake-up stream this long
+RETRY_S = 0.2  # pause between reads while Redis is unreachable
+Entries = list[tuple[bytes, dict[bytes, bytes]]]
+
+
+class ReplyReader:
+    """Reads the reply streams being followed and hands each its entries, in order."""
+
+    def __init__(self, redis: Any, keys: Keys, give_up_s: float):
+        self.redis = redis
+        self.wake_key = keys.client_wake(uuid.uuid4().hex)
+        self.give_up_s = give_up_s  # without a connection this long, followers get the error
+        self._positions: dict[str, str | bytes] = {}  # reply stream -> last id handed over
+        self._inboxes: dict[str, asyncio.Queue[Entries | BaseException]] = {}
+        self._wake_id: str | bytes = "0"
+        self._task: asyncio.Task | None = None
+
+    async def follow(self, stream: str, after: str = "0") -> asyncio.Queue[Entries | BaseException]:
+        """Start following ``stream`` past entry ``after``; entries arrive on the returned queue
+        (a list per read), or the connection error that ended the reading."""
+        inbox: asyncio.Queue[Entries | BaseException] = asyncio.Queue()
+        self._positions[stream] = after
+        self._inboxes[stream] = inbox
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._read_loop())
+        else:  # a read may be blocked without this stream: end it now
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(self.wake_key, {"w": 1}, maxlen=1)
+            pipe.expire(self.wake_key, WAKE_TTL_S)
+            await pipe.execute()
+        return inbox
+
+    def unfollow(self, stream: str) -> None:
+        self._positions.pop(stream, None)
+        self._inboxes.pop(stream, None)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RedisConnectionError, RedisTimeoutError):
+                await self._task
+        with contextlib.suppress(RedisConnectionError, RedisTimeoutError):  # else it expires
+            await self.redis.delete(self.wake_key)
+
+    async def _read_loop(self) -> None:
+        outage_since: float | None = None
+        while self._positions:
+            streams = {**self._positions, self.wake_key: self._wake_id}
+            try:
+                reply = await self.redis.xread(streams, block=READ_BLOCK_MS)
+            except (RedisConnectionError, RedisTimeoutError) as e:
+                outage_since = outage_since or time.monotonic()
+                if time.monotonic() - outage_since > self.give_up_s:
+                    for stream in list(self._inboxes):
+                        self._inboxes.pop(stream).put_nowait(e)
+                        self._positions.pop(stream, None)
+                    return
+                await asyncio.sleep(RETRY_S)
+                continue
+            outage_since = None
+            for key, entries in reply or []:
+                stream = key.decode() if isinstance(key, bytes) else key
+                if stream == self.wake_key:
+                    self._wake_id = entries[-1][0]
+                    continue
+                inbox = self._inboxes.get(stream)
+                if inbox is not None:  # not unfollowed while the read was out
+                    self._positions[stream] = entries[-1][0]
+                    inbox.put_nowait(entries)
