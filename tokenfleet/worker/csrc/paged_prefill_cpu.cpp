@@ -1,7 +1,8 @@
 // Causal prefill attention for the CPU, over prompts laid end to end: each prompt's tokens attend
 // to its own earlier tokens, with no padding to the batch's longest prompt, no [L, L] mask, and no
 // scores computed above the diagonal. SDPA on the same work pads, masks and runs at ~100 GFLOP/s;
-// this runs register-blocked float32 FMAs and skips the upper triangle.
+// this runs register-blocked dot products (AVX512-BF16 pairs on bf16 where the CPU has them,
+// float32 FMAs otherwise) and skips the upper triangle.
 //
 // Registered as tokenfleet::paged_prefill, which also writes the prompts' K/V into the pool.
 //
@@ -17,24 +18,23 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
+#ifdef __AVX512BF16__
 #include <immintrin.h>
+#endif
 
 #include "common.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 namespace {
-
 
 using tokenfleet::load;
 using tokenfleet::store;
 using tokenfleet::vec;
 using tokenfleet::W;
-constexpr int64_t ROWS = 4;        // query rows per register block
+constexpr int64_t ROWS = 4;         // query rows per register block
 constexpr int64_t TASK_ROWS = 256;  // query rows per parallel task (each loads the keys up to its last row)
 
 // --- float32 path: any CPU, any dtype (bf16 and fp16 inputs widened) ---------------------------
