@@ -87,3 +87,22 @@ def test_async_events_time_out_when_nothing_comes(redis_url, prefix):
                     pass
 
     asyncio.run(go())
+
+
+def test_two_readers_of_one_request_on_one_client_both_get_every_event(
+    run_worker, redis_url, prefix, model_path, reference
+):
+    async def go():
+        async with AsyncClient(redis_url, model=str(model_path), prefix=prefix) as client:
+            handle = await client.submit("Hello", max_new_tokens=8)
+            streamed, result = await asyncio.gather(
+                handle.stream(timeout=60).__anext__(), handle.result(timeout=60)
+            )
+            rest = [t async for chunk in handle.stream(timeout=60) for t in chunk.token_ids]
+            return streamed, result, rest
+
+    with run_worker():
+        first_chunk, result, replayed = asyncio.run(go())
+    expected = reference.greedy(reference.ids("Hello"), 8)
+    assert result.token_ids == replayed == expected
+    assert first_chunk.token_ids == expected[: len(first_chunk.token_ids)]

@@ -70,11 +70,13 @@ class AsyncClient(ClientBase):
     async def events(self, request_id: str, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
         """The request's reply events in order, until its terminal one; raises
         :class:`~tokenfleet.errors.ResultTimeout` when ``timeout`` seconds pass first."""
-        if self._replies is None:  # Cluster: reply streams on different slots, one XREAD each
+        key = self.keys.reply_stream(request_id)
+        # Cluster (reply streams on different slots), or this request already followed here (a
+        # second reader of it): an XREAD of its own
+        if self._replies is None or self._replies.following(key):
             async for event in self._events_one_read_each(request_id, timeout):
                 yield event
             return
-        key = self.keys.reply_stream(request_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         inbox = await self._replies.follow(key)
         try:

@@ -58,6 +58,9 @@ class ReplyReader:
             await pipe.execute()
         return inbox
 
+    def following(self, stream: str) -> bool:
+        return stream in self._inboxes
+
     def unfollow(self, stream: str) -> None:
         self._positions.pop(stream, None)
         self._inboxes.pop(stream, None)

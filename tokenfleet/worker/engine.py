@@ -207,7 +207,8 @@ class Engine:
         rows, width, real = len(token_lists), int(lengths.max()), int(lengths.sum())
         self.last_prefill_tokens += real
         segment = torch.repeat_interleave(torch.arange(rows), lengths)
-        starts = torch.cumsum(lengths, 0) - lengths
+        ends = torch.cumsum(lengths, 0)
+        starts = ends - lengths
         positions = torch.arange(real) - starts[segment]
         tables = self._block_tables(seq_ids)
         use_kernel = self.use_prefill_kernel
@@ -223,7 +224,7 @@ class Engine:
             write_blocks=tables[segment, positions // self.block_size].to(dev),
             write_offsets=(positions % self.block_size).to(dev),
             mask=mask,
-            starts=torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)]).to(dev),
+            starts=torch.cat([starts, ends[-1:]]).to(dev),
             use_kernel=use_kernel,
         )
         input_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
@@ -231,7 +232,7 @@ class Engine:
             self._compiled_prefill is not None and rows >= 2 and width >= 2
         )  # sizes 0/1 get specialised
         hidden = self._forward(input_ids[None].to(dev), positions[None].to(dev), meta, compiled)
-        last = (torch.cumsum(lengths, 0) - 1).to(dev)
+        last = (ends - 1).to(dev)
         return self._logits(hidden[0, last])
 
     def _block_tables(self, seq_ids: Sequence[Hashable], min_width: int = 1) -> torch.Tensor:
