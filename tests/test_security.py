@@ -1,5 +1,6 @@
 """ACLs applied on a real Redis (each role can do its job and nothing else) and TLS connections."""
 
+import asyncio
 import shutil
 import subprocess
 import time
@@ -10,7 +11,7 @@ import redis
 from tokenfleet.acl import acl_rules
 from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.embedded import EmbeddedRedis, answers, find_server_binary, free_port
-from tokenfleet.producer import Client
+from tokenfleet.producer import AsyncClient, Client
 from tokenfleet.protocol import Keys
 
 pytestmark = pytest.mark.skipif(find_server_binary() is None, reason="needs a redis-server binary")
@@ -55,6 +56,14 @@ def test_each_role_does_its_job_through_acls(acl_server, engine, prefix, model_p
             time.sleep(0.05)
         assert admin.xlen(Keys(prefix).dead_letter) == 1
 
+        async def stream_two():  # the asyncio client: one read over both, its wake-up stream
+            async with AsyncClient(producer_url, model=str(model_path), prefix=prefix) as aclient:
+                handles = [await aclient.submit(p, max_new_tokens=4) for p in ("acl", "async")]
+                return await asyncio.gather(*(h.result(timeout=60) for h in handles))
+
+        for prompt, result in zip(("acl", "async"), asyncio.run(stream_two())):
+            assert result.token_ids == reference.greedy(reference.ids(prompt), 4)
+
 
 def test_producer_is_refused_outside_its_role(acl_server, prefix):
     server, admin = acl_server
@@ -68,6 +77,7 @@ def test_producer_is_refused_outside_its_role(acl_server, prefix):
         lambda: p.xadd(keys.reply_stream("forged"), {"type": "done"}),  # forging replies
         lambda: p.xrange(keys.dead_letter),  # reading others' dead letters
         lambda: p.delete(keys.request_stream(16)),
+        lambda: p.expire(keys.request_stream(16), 1),  # expire/del only on its wake-up streams
         lambda: p.set("elsewhere", 1),  # keys outside the prefix
         lambda: p.flushall(),
         lambda: p.config_get("*"),

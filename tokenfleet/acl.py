@@ -57,6 +57,9 @@ WORKER_COMMANDS = (
         "+exists",
         "+xread",
         "+xrevrange",
+        "+multi",
+        "+exec",
+        "+discard",  # a step's replies in one transaction
     ]
 )
 
@@ -72,7 +75,14 @@ def producer_key_patterns(prefix: str) -> list[str]:
         # EVAL needs read-write access to every key it declares; +hget is the only hash command
         # producers have, so they still cannot change the limit
         f"~{keys.max_queue}",
+        f"~{prefix}:client:*",  # asyncio clients' wake-up streams (XADD, XREAD)
     ]
+
+
+def producer_selectors(prefix: str) -> list[str]:
+    """Rights on some keys only (Redis 7 selectors): expiring and deleting a wake-up stream must
+    not let a producer expire or delete request streams."""
+    return [f"(+expire +del ~{prefix}:client:*)"]
 
 
 def worker_key_patterns(prefix: str) -> list[str]:
@@ -89,16 +99,22 @@ def worker_key_patterns(prefix: str) -> list[str]:
     ]
 
 
-def setuser_args(user: str, password: str, commands: list[str], patterns: list[str]) -> list[str]:
+def setuser_args(
+    user: str, password: str, commands: list[str], patterns: list[str], selectors: list[str] = ()
+) -> list[str]:
     """Arguments of ``ACL SETUSER`` that (re)define ``user`` from scratch with exactly these rights."""
-    return [user, "reset", "on", f">{password}", "resetchannels", "-@all", *commands, *patterns]
+    return [user, "reset", "on", f">{password}", "resetchannels", "-@all", *commands, *patterns, *selectors]
 
 
 def acl_rules(prefix: str, producer_password: str, worker_password: str) -> list[list[str]]:
     """``ACL SETUSER`` argument lists for the ``tokenfleet-producer`` and ``tokenfleet-worker`` users."""
     return [
         setuser_args(
-            "tokenfleet-producer", producer_password, PRODUCER_COMMANDS, producer_key_patterns(prefix)
+            "tokenfleet-producer",
+            producer_password,
+            PRODUCER_COMMANDS,
+            producer_key_patterns(prefix),
+            producer_selectors(prefix),
         ),
         setuser_args("tokenfleet-worker", worker_password, WORKER_COMMANDS, worker_key_patterns(prefix)),
     ]

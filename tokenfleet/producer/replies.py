@@ -82,12 +82,11 @@ class ReplyReader:
             except (RedisConnectionError, RedisTimeoutError) as e:
                 outage_since = outage_since or time.monotonic()
                 if time.monotonic() - outage_since > self.give_up_s:
-                    for stream in list(self._inboxes):
-                        self._inboxes.pop(stream).put_nowait(e)
-                        self._positions.pop(stream, None)
-                    return
+                    return self._fail_all(e)
                 await asyncio.sleep(RETRY_S)
                 continue
+            except Exception as e:  # refused (e.g. an ACL without the wake-up stream): no retry
+                return self._fail_all(e)
             outage_since = None
             for key, entries in reply or []:
                 stream = key.decode() if isinstance(key, bytes) else key
@@ -98,3 +97,9 @@ class ReplyReader:
                 if inbox is not None:  # not unfollowed while the read was out
                     self._positions[stream] = entries[-1][0]
                     inbox.put_nowait(entries)
+
+    def _fail_all(self, error: Exception) -> None:
+        """End every follower with ``error`` (raised where it waits for entries)."""
+        for stream in list(self._inboxes):
+            self._inboxes.pop(stream).put_nowait(error)
+            self._positions.pop(stream, None)
