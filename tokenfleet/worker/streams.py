@@ -10,6 +10,7 @@ do not keep order across nodes, the outbox goes first and acknowledgements after
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ import redis
 
 from tokenfleet import protocol
 from tokenfleet.protocol import GROUP, Keys
+
+log = logging.getLogger(__name__)
 
 # Reads up to ARGV[3] new entries in total across KEYS, in KEYS order: one round trip, and the
 # "no hoarding" bound holds exactly (plain XREADGROUP's COUNT applies per stream).
@@ -170,10 +173,11 @@ class Outbox:
     """What one step writes, sent in (at most) two pipelined round trips.
 
     Replies and dead letters go first; acknowledgements only after them, so a request is never
-    acknowledged without its terminal event. On one server the step's writes run as one MULTI/EXEC:
-    Redis wakes a client blocked on many reply streams once, after the last of them, not once
-    per event it was waiting on (a client following 32 requests read 6-7 times a step). Across
-    Redis Cluster slots there are no transactions: plain pipelines. Retrying after a lost
+    acknowledged without its terminal event. On one server, the writes of a busy step (those that
+    share the turn's round trip, :meth:`queue_into`) run as one MULTI/EXEC: Redis wakes a client
+    blocked on many reply streams once, after the last of them, not once per event it was
+    waiting on (a client following 32 requests read 6-7 times a step). Across Redis Cluster
+    slots there are no transactions: plain pipelines. Retrying after a lost
     connection is safe because reply events sit at fixed ids (a copy is refused) and XACK is
     idempotent.
     """
@@ -225,7 +229,7 @@ class Outbox:
         for queue in (self._writes, self._acks):
             if not queue:
                 continue
-            pipe = self.client.pipeline(transaction=self.atomic)
+            pipe = self.client.pipeline(transaction=False)
             for name, args, kwargs in queue:
                 getattr(pipe, name)(*args, **kwargs)
             results = pipe.execute(raise_on_error=False)
@@ -239,21 +243,37 @@ class Outbox:
         replies go to :meth:`sent`. If the connection drops first, none of it ran."""
         if not len(self):
             return 0
-        pipe.execute_command("MULTI")
+        if self.atomic:
+            pipe.execute_command("MULTI")
         for name, args, kwargs in self._writes + self._acks:
             getattr(pipe, name)(*args, **kwargs)
-        pipe.execute_command("EXEC")
-        return len(self) + 2
+        if self.atomic:
+            pipe.execute_command("EXEC")
+            return len(self) + 2
+        return len(self)
 
     def sent(self, results: list) -> list[Exception]:
-        """After :meth:`queue_into`'s pipeline ran: clear the queues, return what Redis refused
-        (the replies of the commands are in EXEC's, the last)."""
+        """After :meth:`queue_into`'s pipeline ran: clear the queues, return what Redis refused.
+        A Redis user without MULTI/EXEC (ACL rules older than the transaction) turns transactions
+        off for good: if MULTI was refused the commands ran one by one anyway; if only EXEC was,
+        nothing ran and the commands go again now, plainly."""
+        if not self.atomic or not results:
+            self._writes.clear()
+            self._acks.clear()
+            return _refused(results)
+        began, *ran, ended = results
+        if isinstance(began, Exception) or isinstance(ended, Exception):
+            refusal = began if isinstance(began, Exception) else ended
+            log.warning("redis refused MULTI/EXEC (%s): replies go in plain pipelines from now on", refusal)
+            self.atomic = False
+            if isinstance(began, Exception):
+                self._writes.clear()
+                self._acks.clear()
+                return _refused(ran)
+            return self.flush()
         self._writes.clear()
         self._acks.clear()
-        if not results:
-            return []
-        executed = results[-1] if isinstance(results[-1], list) else [results[-1]]
-        return _refused([*results[:-1], *executed])
+        return _refused(ended)
 
 
 def _refused(results: list) -> list[Exception]:
