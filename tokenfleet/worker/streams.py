@@ -258,22 +258,25 @@ class Outbox:
         off for good: if MULTI was refused the commands ran one by one anyway; if only EXEC was,
         nothing ran and the commands go again now, plainly."""
         if not self.atomic or not results:
-            self._writes.clear()
-            self._acks.clear()
+            self._clear()
             return _refused(results)
         began, *ran, ended = results
-        if isinstance(began, Exception) or isinstance(ended, Exception):
-            refusal = began if isinstance(began, Exception) else ended
-            log.warning("redis refused MULTI/EXEC (%s): replies go in plain pipelines from now on", refusal)
-            self.atomic = False
-            if isinstance(began, Exception):
-                self._writes.clear()
-                self._acks.clear()
-                return _refused(ran)
-            return self.flush()
+        if not isinstance(began, Exception) and not isinstance(ended, Exception):
+            self._clear()
+            return _refused(ended)
+        log.warning(
+            "redis refused MULTI/EXEC (%s): replies go in plain pipelines from now on",
+            began if isinstance(began, Exception) else ended,
+        )
+        self.atomic = False
+        if isinstance(ended, Exception) and not isinstance(began, Exception):
+            return self.flush()  # nothing ran
+        self._clear()
+        return _refused(ran)
+
+    def _clear(self) -> None:
         self._writes.clear()
         self._acks.clear()
-        return _refused(ended)
 
 
 def _refused(results: list) -> list[Exception]:
