@@ -87,3 +87,22 @@ def test_decode_operator_equals_sdpa_over_the_pool(dtype):
     for b, n in enumerate(lengths):
         rows = slice(int(ends[b]) - n - 1, int(ends[b]))
         assert_close(out[b, 0], causal_reference(q, k, v, rows)[0, :, -1], dtype)
+
+
+def test_an_installed_package_carries_every_kernel_source():
+    """A non-editable install (the Dockerfile's ``pip install .``) ships only what package-data
+    names: a header left out builds nowhere but in a checkout."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    from tokenfleet.worker import cpu_kernels
+
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = globs["tokenfleet.worker"]
+    package_dir = Path(cpu_kernels.__file__).parent
+    for path in cpu_kernels.CSRC.iterdir():
+        relative = path.relative_to(package_dir).as_posix()
+        assert any(fnmatch.fnmatch(relative, glob) for glob in shipped), relative
+    assert set(cpu_kernels.SOURCES + cpu_kernels.HEADERS) == set(cpu_kernels.CSRC.iterdir())
