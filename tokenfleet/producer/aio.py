@@ -81,11 +81,16 @@ class AsyncClient(ClientBase):
         inbox = await self._replies.follow(key)
         try:
             while True:
-                block_s = next_block_ms(request_id, deadline, timeout) / 1000
-                try:
-                    entries = await asyncio.wait_for(inbox.get(), None if deadline is None else block_s)
-                except TimeoutError:
-                    continue  # next_block_ms raises once the deadline has passed
+                if not inbox.empty():  # the common case while streaming: no timer to arm
+                    entries = inbox.get_nowait()
+                elif deadline is None:
+                    entries = await inbox.get()
+                else:
+                    try:
+                        async with asyncio.timeout(next_block_ms(request_id, deadline, timeout) / 1000):
+                            entries = await inbox.get()
+                    except TimeoutError:
+                        continue  # next_block_ms raises once the deadline has passed
                 if isinstance(entries, BaseException):
                     raise entries
                 for _, fields in entries:
