@@ -376,7 +376,7 @@ async def drive_clients(
     async with client_cls(url, model=model_dir, prefix=prefix) as warm:  # warm-up request
         await (await warm.submit(input_ids=[3, 4, 5], max_new_tokens=2, ignore_eos=True)).result(timeout=300)
 
-    async def one(client, req: Req, trace: Trace, start: float) -> None:
+    async def one(client, req: Req, trace: Trace, start: float) -> float:
         await client.buckets()  # connected, and the fleet's buckets known, before it arrives
         await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
         trace.arrival = time.perf_counter()
@@ -387,18 +387,19 @@ async def drive_clients(
             now = time.perf_counter()
             trace.token_ids.extend(chunk.token_ids)
             trace.token_times.extend([now] * len(chunk.token_ids))
+        return time.perf_counter()  # its terminal event is in
 
-    async def own_client(req: Req, trace: Trace, start: float) -> None:
+    async def own_client(req: Req, trace: Trace, start: float) -> float:
         async with client_cls(url, model=model_dir, prefix=prefix) as client:
-            await one(client, req, trace, start)
+            return await one(client, req, trace, start)
 
     start = time.perf_counter() + 0.5  # every client connected before the first arrival
     if shared:
         async with client_cls(url, model=model_dir, prefix=prefix) as client:
-            await asyncio.gather(*(one(client, r, t, start) for r, t in zip(reqs, traces)))
+            ends = await asyncio.gather(*(one(client, r, t, start) for r, t in zip(reqs, traces)))
     else:
-        await asyncio.gather(*(own_client(r, t, start) for r, t in zip(reqs, traces)))
-    return traces, time.perf_counter() - start
+        ends = await asyncio.gather(*(own_client(r, t, start) for r, t in zip(reqs, traces)))
+    return traces, max(ends) - start  # until the last result is in, not the clients' teardown
 
 
 def run_vllm(

@@ -106,3 +106,28 @@ def test_two_readers_of_one_request_on_one_client_both_get_every_event(
     expected = reference.greedy(reference.ids("Hello"), 8)
     assert result.token_ids == replayed == expected
     assert first_chunk.token_ids == expected[: len(first_chunk.token_ids)]
+
+
+def test_close_ends_a_read_at_once_even_when_the_first_cancel_is_lost(redis_url, prefix, monkeypatch):
+    # On Python 3.11 redis-py's wait_for around the send swallows a cancel that lands right after
+    # the read starts; close() must not then sit out the read's whole block
+    monkeypatch.setattr(replies_module, "READ_BLOCK_MS", 30_000)
+    keys = Keys(prefix)
+
+    async def go():
+        conn = aioredis.Redis.from_url(redis_url)
+        await conn.ping()
+        try:
+            closes = []
+            for pause in (0.0, 0.0, 0.1):
+                reader = ReplyReader(conn, keys, give_up_s=5)
+                await reader.follow(keys.reply_stream("a"))
+                await asyncio.sleep(pause)  # 0: the read has just been sent
+                started = asyncio.get_running_loop().time()
+                await reader.close()
+                closes.append(asyncio.get_running_loop().time() - started)
+            return closes
+        finally:
+            await conn.aclose()
+
+    assert max(asyncio.run(go())) < 2.0

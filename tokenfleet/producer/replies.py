@@ -28,6 +28,7 @@ from tokenfleet.protocol import Keys
 
 WAKE_TTL_S = 3600  # a client that dies without closing leaves its wake-up stream this long
 RETRY_S = 0.2  # pause between reads while Redis is unreachable
+CANCEL_RETRY_S = 0.02  # how long close() waits for the read task to take a cancel before it repeats it
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
 
 
@@ -67,7 +68,11 @@ class ReplyReader:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
+            # On Python 3.11 a cancel that lands as redis-py's send finishes is lost inside
+            # asyncio.wait_for, and the read then blocks its full READ_BLOCK_MS: cancel again
+            while not self._task.done():
+                self._task.cancel()
+                await asyncio.wait({self._task}, timeout=CANCEL_RETRY_S)
             with contextlib.suppress(asyncio.CancelledError, RedisConnectionError, RedisTimeoutError):
                 await self._task
         with contextlib.suppress(RedisConnectionError, RedisTimeoutError):  # else it expires
