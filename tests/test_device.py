@@ -1,0 +1,35 @@
+"""``--dtype auto`` on the CPU: bf16 where the CPU has it, and a warning where its matmuls measure
+slower than float32's."""
+
+import logging
+
+import torch
+
+from tokenfleet.worker import device
+
+
+def test_auto_keeps_bf16_and_warns_when_its_matmuls_measure_slower(monkeypatch, caplog):
+    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: True)
+    monkeypatch.setattr(device, "bf16_matmul_speed", lambda: 0.5)
+    with caplog.at_level(logging.WARNING, logger=device.__name__):
+        assert device.select_dtype("auto", torch.device("cpu")) is torch.bfloat16
+    assert "0.50x float32" in caplog.text and "--dtype float32" in caplog.text
+
+
+def test_auto_is_quiet_when_bf16_is_the_faster(monkeypatch, caplog):
+    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: True)
+    monkeypatch.setattr(device, "bf16_matmul_speed", lambda: 2.4)
+    with caplog.at_level(logging.WARNING, logger=device.__name__):
+        assert device.select_dtype("auto", torch.device("cpu")) is torch.bfloat16
+    assert not caplog.text
+
+
+def test_auto_without_native_bf16_is_float32_and_a_named_dtype_is_taken_as_is(monkeypatch):
+    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: False)
+    assert device.select_dtype("auto", torch.device("cpu")) is torch.float32
+    assert device.select_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
+
+
+def test_the_measurement_is_a_ratio_of_two_real_timings():
+    speed = device.bf16_matmul_speed(rows=8, size=128, rounds=2)
+    assert 0.01 < speed < 100
