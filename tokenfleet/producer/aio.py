@@ -81,16 +81,17 @@ class AsyncClient(ClientBase):
         inbox = await self._replies.follow(key)
         try:
             while True:
+                block_s = next_block_ms(request_id, deadline, timeout) / 1000  # raises past the deadline
                 if not inbox.empty():  # the common case while streaming: no timer to arm
                     entries = inbox.get_nowait()
                 elif deadline is None:
                     entries = await inbox.get()
                 else:
                     try:
-                        async with asyncio.timeout(next_block_ms(request_id, deadline, timeout) / 1000):
+                        async with asyncio.timeout(block_s):
                             entries = await inbox.get()
                     except TimeoutError:
-                        continue  # next_block_ms raises once the deadline has passed
+                        continue
                 if isinstance(entries, BaseException):
                     raise entries
                 for _, fields in entries:
