@@ -246,3 +246,22 @@ def test_prefill_attention_groups_prompts_of_similar_length():
         longest = max(lengths[r] for r in group)
         assert all(lengths[r] >= GROUP_MIN_FRACTION * longest for r in group)
     assert [sorted(g) for g in groups] == [[5], [0, 2, 3, 7], [8], [1, 4], [6]]
+
+
+def test_continuous_joins_never_stall_running_sequences_two_prefills_in_a_row(engine, reference):
+    # a request arriving before every step: without a decode between joins, the running ones
+    # would wait out prefill after prefill
+    cfg = DynamicBatchingConfig(
+        max_wait_ms=0, max_batch_size=8, max_seq_len=128, buckets=(64,), mode="continuous"
+    )
+    events = []
+    sched = Scheduler(engine, cfg, clock=lambda: 1e9, on_batch=events.append)
+    seqs = [seq_for(engine, reference, i, PROMPTS[i % len(PROMPTS)], max_new=12) for i in range(6)]
+    finished = drain(sched, {step: [seq] for step, seq in enumerate(seqs)})
+    kinds = [ev.kind for ev in events]
+    assert "prefill" not in {a for a, b in zip(kinds, kinds[1:]) if a == b}, kinds
+    # those that arrived during a decode step join together at the next
+    assert sum(ev.size for ev in events if ev.kind == "prefill") == len(seqs)
+    assert kinds.count("prefill") < len(seqs)
+    for seq in finished:
+        assert seq.generated == reference.greedy(seq.prompt_ids, 12), seq.request.id

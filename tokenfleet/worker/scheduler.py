@@ -3,7 +3,8 @@
 One :meth:`Scheduler.step` is one forward pass: a prefill of newly dispatched (or resumed)
 sequences, or a decode step of every running sequence. Static and dynamic modes run a batch to
 completion before dispatching the next; continuous mode lets waiting requests join at the next
-step. No Redis here: the worker loop feeds requests in and publishes what a step returns.
+step, with at least one decode step between two joins. No Redis here: the worker loop feeds
+requests in and publishes what a step returns.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class Scheduler:
         self.on_batch = on_batch
         self.preemptions = 0
         self.peak = engine.memory_stats()  # pool use at its fullest since the last reset_peak()
+        self._prefilled_last_step = False
 
     # -- intake ---------------------------------------------------------------------------------
 
@@ -113,7 +115,9 @@ class Scheduler:
         self.peak = self.engine.memory_stats()
 
     def _step(self, flush: bool) -> list[StepOutput]:
-        if self.running and self.config.mode == "continuous":
+        # Joiners prefill between decode steps, never two prefills in a row: requests arriving
+        # steadily would otherwise stall every running sequence for prefill after prefill
+        if self.running and self.config.mode == "continuous" and not self._prefilled_last_step:
             joiners = self._joiners(self.config.max_batch_size - len(self.running))
             if joiners:
                 return self._prefill(joiners)
@@ -164,6 +168,7 @@ class Scheduler:
         return seqs
 
     def _prefill(self, seqs: list[SeqState]) -> list[StepOutput]:
+        self._prefilled_last_step = True
         token_lists = [s.all_tokens for s in seqs]
         logits = self.engine.prefill([s.key for s in seqs], token_lists)
         real, computed = sum(len(t) for t in token_lists), self.engine.last_prefill_tokens
@@ -176,6 +181,7 @@ class Scheduler:
         return self._advance(seqs, choose_tokens(logits, seqs))
 
     def _decode(self) -> list[StepOutput]:
+        self._prefilled_last_step = False
         self._reserve_slots()
         seqs = list(self.running)
         if not seqs:
