@@ -178,6 +178,7 @@ def test_remove_drops_matching_requests():
         (dict(buckets=(8, 64), max_seq_len=64), "buckets"),
         (dict(padding="none"), "padding"),
         (dict(mode="eager"), "mode"),
+        (dict(max_prefill_tokens=0), "max_prefill_tokens"),
     ],
 )
 def test_config_validation_names_the_field(kwargs, field):

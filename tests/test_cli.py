@@ -120,6 +120,7 @@ def test_profiles_config_file_env_and_flags_layer_in_order(tiny_model, tmp_path)
     assert (online["max_wait_ms"], online["max_batch_size"], online["max_seq_len"]) == (50, 16, 4096)
     offline = dry_run(["--model", tiny_model, "--profile", "offline"])["batching"]
     assert (offline["max_wait_ms"], offline["max_batch_size"], offline["max_seq_len"]) == (2000, 64, 8192)
+    assert offline["max_prefill_tokens"] == 8192
     toml = tmp_path / "worker.toml"
     toml.write_text(
         f'[worker]\nmodel = "{tiny_model}"\nprofile = "offline"\nmax-batch-size = 48\n'
@@ -134,6 +135,9 @@ def test_profiles_config_file_env_and_flags_layer_in_order(tiny_model, tmp_path)
     assert env["batching"]["max_wait_ms"] == 20  # environment beats file
     flag = dry_run(["--config", str(toml), "--max-wait-ms", "5"], env={"TOKENFLEET_MAX_WAIT_MS": "20"})
     assert flag["batching"]["max_wait_ms"] == 5  # command line beats everything
+    assert flag["batching"]["max_prefill_tokens"] == 2048
+    budget = dry_run(["--config", str(toml), "--max-prefill-tokens", "512"])
+    assert budget["batching"]["max_prefill_tokens"] == 512
 
 
 def test_config_file_typos_and_missing_model_are_one_line_errors(tmp_path):

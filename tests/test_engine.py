@@ -265,3 +265,45 @@ def test_continuous_joins_never_stall_running_sequences_two_prefills_in_a_row(en
     assert kinds.count("prefill") < len(seqs)
     for seq in finished:
         assert seq.generated == reference.greedy(seq.prompt_ids, 12), seq.request.id
+
+
+def test_continuous_starts_a_batch_over_max_prefill_tokens_in_parts_a_decode_between(engine, reference):
+    # six prompts at once on an idle worker, a budget that holds about two of them: they start in
+    # parts (earlier first tokens for the first part), each part within the budget unless a
+    # prompt alone exceeds it, a decode step between parts, every token still generate's
+    budget = 24
+    cfg = DynamicBatchingConfig(
+        max_wait_ms=0,
+        max_batch_size=8,
+        max_seq_len=128,
+        buckets=(64,),
+        mode="continuous",
+        max_prefill_tokens=budget,
+    )
+    events = []
+    sched = Scheduler(engine, cfg, clock=lambda: 1e9, on_batch=events.append)
+    seqs = [seq_for(engine, reference, i, PROMPTS[i], max_new=6) for i in range(6)]
+    finished = drain(sched, {0: seqs})
+    prefills = [ev for ev in events if ev.kind == "prefill"]
+    assert len(prefills) >= 3, [(ev.size, ev.computed_tokens) for ev in prefills]
+    assert all(ev.computed_tokens <= budget or ev.size == 1 for ev in prefills)
+    assert sum(ev.size for ev in prefills) == len(seqs)
+    kinds = [ev.kind for ev in events]
+    assert "prefill" not in {a for a, b in zip(kinds, kinds[1:]) if a == b}, kinds
+    for seq in finished:
+        assert seq.generated == reference.greedy(seq.prompt_ids, 6), seq.request.id
+
+
+def test_dynamic_mode_starts_its_batch_whole_whatever_max_prefill_tokens(engine, reference):
+    cfg = DynamicBatchingConfig(
+        max_wait_ms=0,
+        max_batch_size=8,
+        max_seq_len=128,
+        buckets=(64,),
+        mode="dynamic",
+        max_prefill_tokens=8,
+    )
+    events = []
+    sched = Scheduler(engine, cfg, clock=lambda: 1e9, on_batch=events.append)
+    drain(sched, {0: [seq_for(engine, reference, i, PROMPTS[i], max_new=3) for i in range(4)]})
+    assert [ev.size for ev in events if ev.kind == "prefill"] == [4]

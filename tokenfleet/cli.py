@@ -119,6 +119,14 @@ def model_init(directory: str, size: str, seed: int) -> None:
 )
 @click.option("--max-batch-size", type=int, default=32, show_default=True, help="Most sequences per batch.")
 @click.option(
+    "--max-prefill-tokens",
+    type=int,
+    default=2048,
+    show_default=True,
+    help="continuous: prompt tokens one prefill step may take; a larger batch starts in parts with a "
+    "decode step between them (earlier first tokens; a longer prompt still starts, alone).",
+)
+@click.option(
     "--max-seq-len",
     type=int,
     default=2048,
@@ -217,8 +225,8 @@ def model_init(directory: str, size: str, seed: int) -> None:
     "--profile",
     type=click.Choice(sorted(PROFILES)),
     default=None,
-    help="online: max_wait_ms 50, max_batch_size 16, max_seq_len 4096; offline: 2000, 64, 8192 and "
-    "stream_interval_ms 200.",
+    help="online: max_wait_ms 50, max_batch_size 16, max_seq_len 4096; offline: 2000, 64, 8192, "
+    "stream_interval_ms 200 and max_prefill_tokens 8192.",
 )
 @click.option(
     "--config",
@@ -257,6 +265,7 @@ def worker(ctx: click.Context, **_: object) -> None:
                 buckets=parse_buckets(o["buckets"]),
                 padding=o["padding"],
                 mode=o["mode"],
+                max_prefill_tokens=o["max_prefill_tokens"],
             ),
             kv=KVCacheConfig(
                 block_size=o["block_size"],

@@ -134,21 +134,38 @@ class Scheduler:
             return []
         chosen: list[SeqState] = []
         if self.preempted:
-            while self.preempted and len(chosen) < slots and self._allocate(self.preempted[0], len(chosen)):
+            budget = self._prefill_budget()
+            while self.preempted and len(chosen) < slots:
+                tokens = len(self.preempted[0].all_tokens)
+                if (chosen and tokens > budget) or not self._allocate(self.preempted[0], len(chosen)):
+                    break
                 chosen.append(self.preempted.popleft())
+                budget -= tokens
             return self._started(chosen)
         batch = self.batcher.next_batch(slots) if dispatch else self.batcher.take(slots)
         if batch is None:
             return []
         unplaced: list[PendingRequest] = []
+        budget = self._prefill_budget()
         for item in batch.items:
-            if not unplaced and self._allocate(item.payload, len(chosen)):
+            tokens = len(item.payload.all_tokens)
+            fits = not chosen or tokens <= budget
+            if not unplaced and fits and self._allocate(item.payload, len(chosen)):
                 chosen.append(item.payload)
+                budget -= tokens
             else:
                 unplaced.append(item)
         if unplaced:
             self.batcher.requeue(unplaced)
         return self._started(chosen)
+
+    def _prefill_budget(self) -> float:
+        """Prompt tokens this step's prefill may take: ``max_prefill_tokens`` in continuous mode
+        (the rest start after a decode step); unbounded in static and dynamic mode, whose batches
+        start together and run to completion."""
+        if self.config.mode == "continuous":
+            return self.config.max_prefill_tokens
+        return float("inf")
 
     def _allocate(self, seq: SeqState, admitted_now: int) -> bool:
         """Give ``seq`` blocks for all its tokens if that leaves one block in reserve per running
