@@ -135,7 +135,7 @@ def test_profiles_config_file_env_and_flags_layer_in_order(tiny_model, tmp_path)
     assert env["batching"]["max_wait_ms"] == 20  # environment beats file
     flag = dry_run(["--config", str(toml), "--max-wait-ms", "5"], env={"TOKENFLEET_MAX_WAIT_MS": "20"})
     assert flag["batching"]["max_wait_ms"] == 5  # command line beats everything
-    assert flag["batching"]["max_prefill_tokens"] == 2048
+    assert flag["batching"]["max_prefill_tokens"] == 8192  # the offline profile, from the file
     budget = dry_run(["--config", str(toml), "--max-prefill-tokens", "512"])
     assert budget["batching"]["max_prefill_tokens"] == 512
 
