@@ -274,7 +274,13 @@ def run_hf_cb(model, reqs: list[Req], max_batch_size: int) -> dict:
 
 
 def run_engine(
-    model_dir: str, dtype: str, reqs: list[Req], max_batch_size: int, max_seq_len: int, compile: bool = False
+    model_dir: str,
+    dtype: str,
+    reqs: list[Req],
+    max_batch_size: int,
+    max_seq_len: int,
+    compile: bool = False,
+    max_prefill_tokens: int = 2048,
 ) -> dict:
     from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
     from tokenfleet.protocol import Request
@@ -291,6 +297,7 @@ def run_engine(
         max_batch_size=max_batch_size,
         max_seq_len=max_seq_len,
         buckets=(max_seq_len // 2,),
+        max_prefill_tokens=max_prefill_tokens,
     )
 
     def seq(i: int, req: Req, arrival: float) -> SeqState:
@@ -329,7 +336,8 @@ def run_engine(
         "tokenfleet-engine" + ("-compile" if compile else ""),
         traces,
         time.perf_counter() - start,
-        "scheduler + paged engine, continuous, in process" + (", --compile" if compile else ""),
+        f"scheduler + paged engine, continuous, in process, max_prefill_tokens {max_prefill_tokens}"
+        + (", --compile" if compile else ""),
     )
 
 
@@ -349,6 +357,7 @@ def run_e2e(
     stream_interval_ms: float = 0.0,
     compile: bool = False,
     shared_client: bool = True,
+    max_prefill_tokens: int = 2048,
 ) -> dict:
 
     from tokenfleet.embedded import EmbeddedRedis
@@ -358,6 +367,7 @@ def run_e2e(
     flags = ["--dtype", dtype, "--buckets", str(max_seq_len // 2), "--max-seq-len", str(max_seq_len)]
     flags += ["--mode", "continuous", "--max-wait-ms", str(wait_ms), "--max-batch-size", str(max_batch_size)]
     flags += ["--num-blocks", str(pool_blocks(reqs, max_batch_size))]
+    flags += ["--max-prefill-tokens", str(max_prefill_tokens)]
     flags += ["--stream-interval-ms", str(stream_interval_ms), "--compile" if compile else "--no-compile"]
     with EmbeddedRedis() as server, worker_process(server.url, prefix, model_dir, flags, allocator_env()):
         traces, wall = asyncio.run(
@@ -365,7 +375,8 @@ def run_e2e(
         )
     clients = "through one asyncio client" if shared_client else "a client each"
     note = f"worker process + Redis, {len(reqs)} concurrent requests {clients}, max_wait_ms {wait_ms:g}"
-    note += f", stream_interval_ms {stream_interval_ms:g}" + (", --compile" if compile else "")
+    note += f", stream_interval_ms {stream_interval_ms:g}, max_prefill_tokens {max_prefill_tokens}"
+    note += ", --compile" if compile else ""
     note += ", tcmalloc" if allocator_env() else ""
     return summarize("tokenfleet-e2e" + ("-compile" if compile else ""), traces, wall, note)
 
@@ -542,6 +553,12 @@ def main() -> None:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="tokenfleet-e2e's worker")
     p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=2048,
+        help="tokenfleet rows: prompt tokens one prefill step may take (the worker's default)",
+    )
+    p.add_argument(
         "--stream-interval-ms",
         type=float,
         default=0.0,
@@ -599,7 +616,15 @@ def main() -> None:
         for r in reqs
     ]
     roof = roofline(hf, args.dtype, reqs, args.max_batch_size)
-    engine = partial(run_engine, model_dir, args.dtype, reqs, args.max_batch_size, max_seq_len)
+    engine = partial(
+        run_engine,
+        model_dir,
+        args.dtype,
+        reqs,
+        args.max_batch_size,
+        max_seq_len,
+        max_prefill_tokens=args.max_prefill_tokens,
+    )
     e2e = partial(
         run_e2e,
         model_dir,
@@ -610,6 +635,7 @@ def main() -> None:
         args.max_wait_ms,
         args.stream_interval_ms,
         shared_client=not args.client_per_request,
+        max_prefill_tokens=args.max_prefill_tokens,
     )
     vllm = partial(run_vllm, model_dir, args.dtype, reqs, args.max_batch_size, max_seq_len)
     runners = {
