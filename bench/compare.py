@@ -711,7 +711,8 @@ def agreement(got: list[list[int]], expected: list[list[int]]) -> float:
 
 
 def combine_rounds(rows: list[str], by_round: list[dict[str, dict]]) -> list[dict]:
-    """One row per system: its median round by tokens/s (that round's latencies with it), every
+    """One row per system: its median round by tokens/s (the lower middle one for an even number
+    of rounds; that round's latencies with it), every
     round's tokens/s, and ``vs_vllm_best`` as the median of the ratios taken within each round
     (pairs that ran minutes apart, not hours), so a slow spell of the host hits both sides."""
     results = []
