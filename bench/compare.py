@@ -696,7 +696,7 @@ def main() -> None:
         "python": platform.python_version(),
         **roof,
     }
-    write(args, meta, results)
+    write(args, meta, results, by_round)
 
 
 def agreement(got: list[list[int]], expected: list[list[int]]) -> float:
@@ -749,11 +749,13 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def write(args, meta: dict, results: list[dict]) -> None:
+def write(args, meta: dict, results: list[dict], by_round: list[dict[str, dict]]) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"compare-{meta['size'] or Path(meta['model']).name}-{meta['dtype']}-{meta['workload']}"
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
+    (out / f"{stem}.json").write_text(
+        json.dumps({"meta": meta, "rows": results, "rounds": by_round}, indent=1)
+    )
     header = (
         f"{meta['workload']} workload, {meta['requests']} requests, {meta['dtype']}, "
         f"{meta['size'] or meta['model']}; {meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}. "
