@@ -49,6 +49,7 @@ from functools import partial
 from pathlib import Path
 
 from bench.common import TCMALLOC, allocator_env, percentile, worker_process
+from tokenfleet.config import DEFAULT_MAX_PREFILL_TOKENS
 
 HERE = Path(__file__).resolve().parent
 VLLM_VENV = HERE / "peers" / ".vllm-venv"
@@ -282,7 +283,7 @@ def run_engine(
     max_batch_size: int,
     max_seq_len: int,
     compile: bool = False,
-    max_prefill_tokens: int = 2048,
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
 ) -> dict:
     from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
     from tokenfleet.protocol import Request
@@ -359,7 +360,7 @@ def run_e2e(
     stream_interval_ms: float = 0.0,
     compile: bool = False,
     shared_client: bool = True,
-    max_prefill_tokens: int = 2048,
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
 ) -> dict:
 
     from tokenfleet.embedded import EmbeddedRedis
@@ -557,7 +558,7 @@ def main() -> None:
     p.add_argument(
         "--max-prefill-tokens",
         type=int,
-        default=2048,
+        default=DEFAULT_MAX_PREFILL_TOKENS,
         help="tokenfleet rows: prompt tokens one prefill step may take (the worker's default)",
     )
     p.add_argument(
@@ -712,9 +713,9 @@ def agreement(got: list[list[int]], expected: list[list[int]]) -> float:
 
 def combine_rounds(rows: list[str], by_round: list[dict[str, dict]]) -> list[dict]:
     """One row per system: its median round by tokens/s (the lower middle one for an even number
-    of rounds; that round's latencies with it), every
-    round's tokens/s, and ``vs_vllm_best`` as the median of the ratios taken within each round
-    (pairs that ran minutes apart, not hours), so a slow spell of the host hits both sides."""
+    of rounds; that round's latencies with it), every round's tokens/s, and ``vs_vllm_best`` as
+    the median of the ratios taken within each round (pairs that ran minutes apart, not hours),
+    so a slow spell of the host hits both sides."""
     results = []
     for name in rows:
         runs = [r[name] for r in by_round if name in r]
@@ -771,8 +772,7 @@ def write(args, meta: dict, results: list[dict], by_round: list[dict[str, dict]]
             "median of the ratios within each round."
         )
     columns = ["system", "tokens/s", "vs vLLM best", "roofline", "peak", "TTFT mean ms", "TTFT p50 ms"]
-    columns += ["TTFT p99 ms"]
-    columns += ["ITL p50 ms", "ITL p99 ms", "= HF", "agree", "host GFLOP/s", "note"]
+    columns += ["TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "= HF", "agree", "host GFLOP/s", "note"]
     if meta["rounds"] > 1:
         columns[3:3] = ["rounds: tokens/s", "rounds: vs vLLM"]
     lines = [header, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

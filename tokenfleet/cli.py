@@ -14,6 +14,7 @@ from click.core import ParameterSource
 
 from tokenfleet.config import (
     DEFAULT_BUCKETS,
+    DEFAULT_MAX_PREFILL_TOKENS,
     MODES,
     PADDINGS,
     PROFILES,
@@ -121,7 +122,7 @@ def model_init(directory: str, size: str, seed: int) -> None:
 @click.option(
     "--max-prefill-tokens",
     type=int,
-    default=2048,
+    default=DEFAULT_MAX_PREFILL_TOKENS,
     show_default=True,
     help="continuous: prompt tokens one prefill step may take; a larger batch starts in parts with a "
     "decode step between them (earlier first tokens; a longer prompt still starts, alone).",

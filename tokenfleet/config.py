@@ -13,6 +13,7 @@ from dataclasses import dataclass
 MODES = ("static", "dynamic", "continuous")
 PADDINGS = ("bucket", "max")
 DEFAULT_BUCKETS = (128, 256, 512)
+DEFAULT_MAX_PREFILL_TOKENS = 2048  # prompt tokens one continuous-mode prefill step may take
 DEFAULT_PREFIX = "tokenfleet"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -85,7 +86,7 @@ class DynamicBatchingConfig:
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     padding: str = "bucket"
     mode: str = "continuous"
-    max_prefill_tokens: int = 2048
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_wait_ms, (int, float)) and self.max_wait_ms >= 0):
