@@ -8,12 +8,18 @@
 
 namespace tokenfleet {
 
-// 16 floats: one AVX-512 register (two AVX2 ones elsewhere: GCC and Clang split the type for the
-// target). Softmax needs exp over such vectors; the compilers call scalar expf for std::exp.
-typedef float vec __attribute__((vector_size(64)));
-typedef float vec_unaligned __attribute__((vector_size(64), aligned(4)));
-typedef int32_t ivec __attribute__((vector_size(64)));
-constexpr int64_t W = 16;
+// One register of floats: 16 with AVX-512, 8 elsewhere (a 16-float type on AVX2 is split in two
+// by the compiler, and register blocks sized for 32 registers then spill). Softmax needs exp
+// over such vectors; the compilers call scalar expf for std::exp.
+#ifdef __AVX512F__
+#define TOKENFLEET_VEC_BYTES 64
+#else
+#define TOKENFLEET_VEC_BYTES 32
+#endif
+typedef float vec __attribute__((vector_size(TOKENFLEET_VEC_BYTES)));
+typedef float vec_unaligned __attribute__((vector_size(TOKENFLEET_VEC_BYTES), aligned(4)));
+typedef int32_t ivec __attribute__((vector_size(TOKENFLEET_VEC_BYTES)));
+constexpr int64_t W = TOKENFLEET_VEC_BYTES / sizeof(float);
 
 inline vec load(const float* p) { return *reinterpret_cast<const vec_unaligned*>(p); }
 inline void store(float* p, vec v) { *reinterpret_cast<vec_unaligned*>(p) = v; }

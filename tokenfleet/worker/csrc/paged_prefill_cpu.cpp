@@ -73,15 +73,25 @@ inline void value_block(const float* p, int64_t p_ld, int64_t n, const float* v,
     for (int j = 0; j < J; ++j) store(o + r * d_len + d0 + j * W, acc[r][j]);
 }
 
-// Calls block<J>(offset) over [0, width) in steps of 4 vectors, then the rest (widths are multiples of W).
+// Vectors per register block: the ROWS x J accumulators, J keys and a broadcast query must fit
+// the registers: 32 with AVX-512 (J = 4), 16 with AVX2 (J = 2; J = 4 spilled, and the kernel
+// ran 10x slower on an AVX2 EPYC).
+#ifdef __AVX512F__
+constexpr int MAX_J = 4;
+#else
+constexpr int MAX_J = 2;
+#endif
+
+// Calls block<J>(offset) over [0, width) in steps of MAX_J vectors, then the rest (widths are
+// multiples of W).
 template <typename Block>
 inline void over_vectors(int64_t width, Block&& block) {
   int64_t x = 0;
-  for (; x + 4 * W <= width; x += 4 * W) block.template operator()<4>(x);
+  for (; x + MAX_J * W <= width; x += MAX_J * W) block.template operator()<MAX_J>(x);
   switch ((width - x) / W) {
-    case 3: block.template operator()<3>(x); break;
-    case 2: block.template operator()<2>(x); break;
-    case 1: block.template operator()<1>(x); break;
+    case 3: if constexpr (MAX_J > 3) block.template operator()<3>(x); break;
+    case 2: if constexpr (MAX_J > 2) block.template operator()<2>(x); break;
+    case 1: if constexpr (MAX_J > 1) block.template operator()<1>(x); break;
     default: break;
   }
 }
