@@ -25,10 +25,23 @@ def test_auto_is_quiet_when_bf16_is_the_faster(monkeypatch, caplog):
     assert not caplog.text
 
 
-def test_auto_without_native_bf16_is_float32_and_a_named_dtype_is_taken_as_is(monkeypatch):
+def test_auto_without_native_bf16_is_float32_and_a_named_dtype_is_taken_as_is(monkeypatch, caplog):
     monkeypatch.setattr(device, "cpu_supports_bf16", lambda: False)
-    assert device.select_dtype("auto", torch.device("cpu")) is torch.float32
-    assert device.select_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
+    monkeypatch.setattr(device, "bf16_matmul_speed", lambda: 0.15)
+    with caplog.at_level(logging.WARNING, logger="tokenfleet.worker.device"):
+        assert device.select_dtype("auto", torch.device("cpu")) is torch.float32
+        assert not caplog.text
+        assert device.select_dtype("float32", torch.device("cpu")) is torch.float32
+        assert not caplog.text
+        assert device.select_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
+    assert "without bf16 instructions" in caplog.text and "0.15x" in caplog.text
+
+
+def test_a_named_bf16_is_quiet_where_the_cpu_has_it(monkeypatch, caplog):
+    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: True)
+    with caplog.at_level(logging.WARNING, logger="tokenfleet.worker.device"):
+        assert device.select_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
+    assert not caplog.text
 
 
 def test_the_measurement_is_a_ratio_of_two_real_timings():
