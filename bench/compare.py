@@ -372,24 +372,63 @@ def run_e2e(
     flags += ["--num-blocks", str(pool_blocks(reqs, max_batch_size))]
     flags += ["--max-prefill-tokens", str(max_prefill_tokens)]
     flags += ["--stream-interval-ms", str(stream_interval_ms), "--compile" if compile else "--no-compile"]
-    with EmbeddedRedis() as server, worker_process(server.url, prefix, model_dir, flags, allocator_env()):
+    env = allocator_env()
+    with EmbeddedRedis() as server, worker_process(server.url, prefix, model_dir, flags, env) as worker:
+        counters = CpuCounters(server.url, worker.pid)
         traces, wall = asyncio.run(
-            drive_clients(server.url, model_dir, prefix, reqs, AsyncClient, shared_client)
+            drive_clients(server.url, model_dir, prefix, reqs, AsyncClient, shared_client, counters)
         )
     clients = "through one asyncio client" if shared_client else "a client each"
     note = f"worker process + Redis, {len(reqs)} concurrent requests {clients}, max_wait_ms {wait_ms:g}"
     note += f", stream_interval_ms {stream_interval_ms:g}, max_prefill_tokens {max_prefill_tokens}"
     note += ", --compile" if compile else ""
     note += ", tcmalloc" if allocator_env() else ""
-    return summarize("tokenfleet-e2e" + ("-compile" if compile else ""), traces, wall, note)
+    row = summarize("tokenfleet-e2e" + ("-compile" if compile else ""), traces, wall, note)
+    return {**row, **counters.used}
+
+
+class CpuCounters:
+    """CPU seconds the client (this process), Redis and the worker used between :meth:`start` and
+    :meth:`stop`: on a small host the three share its cores, and what the client and Redis take
+    is what an end-to-end row loses against the engine in process."""
+
+    def __init__(self, url: str, worker_pid: int):
+        import redis
+
+        self.admin, self.worker_pid = redis.Redis.from_url(url), worker_pid
+        self.used: dict[str, float] = {}
+
+    def _read(self) -> dict[str, float]:
+        info = self.admin.info("cpu")
+        fields = Path(f"/proc/{self.worker_pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+        return {
+            "client_cpu_s": time.process_time(),
+            "redis_cpu_s": info["used_cpu_user"] + info["used_cpu_sys"],
+            "worker_cpu_s": (int(fields[11]) + int(fields[12])) / ticks,  # utime + stime
+        }
+
+    def start(self) -> None:
+        self._start = self._read()
+
+    def stop(self) -> None:
+        end = self._read()
+        self.used = {k: round(end[k] - self._start[k], 2) for k in end}
 
 
 async def drive_clients(
-    url: str, model_dir: str, prefix: str, reqs: list[Req], client_cls, shared: bool = True
+    url: str,
+    model_dir: str,
+    prefix: str,
+    reqs: list[Req],
+    client_cls,
+    shared: bool = True,
+    counters: CpuCounters | None = None,
 ):
     """Each request submitted at its arrival time and streamed token by token, concurrently: through
     one client (``shared``: as an API server proxying its users would; it follows every reply
-    stream with one XREAD) or a client each (each following its own stream)."""
+    stream with one XREAD) or a client each (each following its own stream). ``counters`` are
+    read around the timed part."""
     traces = [Trace(0.0) for _ in reqs]
     async with client_cls(url, model=model_dir, prefix=prefix) as warm:  # warm-up request
         await (await warm.submit(input_ids=[3, 4, 5], max_new_tokens=2, ignore_eos=True)).result(timeout=300)
@@ -412,11 +451,15 @@ async def drive_clients(
             return await one(client, req, trace, start)
 
     start = time.perf_counter() + 0.5  # every client connected before the first arrival
+    if counters:
+        counters.start()
     if shared:
         async with client_cls(url, model=model_dir, prefix=prefix) as client:
             ends = await asyncio.gather(*(one(client, r, t, start) for r, t in zip(reqs, traces)))
     else:
         ends = await asyncio.gather(*(own_client(r, t, start) for r, t in zip(reqs, traces)))
+    if counters:
+        counters.stop()
     return traces, max(ends) - start  # until the last result is in, not the clients' teardown
 
 
@@ -772,7 +815,8 @@ def write(args, meta: dict, results: list[dict], by_round: list[dict[str, dict]]
             "median of the ratios within each round."
         )
     columns = ["system", "tokens/s", "vs vLLM best", "roofline", "peak", "TTFT mean ms", "TTFT p50 ms"]
-    columns += ["TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "= HF", "agree", "host GFLOP/s", "note"]
+    columns += ["TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "= HF", "agree", "host GFLOP/s"]
+    columns += ["CPU s: client / Redis / worker", "note"]
     if meta["rounds"] > 1:
         columns[3:3] = ["rounds: tokens/s", "rounds: vs vLLM"]
     lines = [header, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -780,7 +824,9 @@ def write(args, meta: dict, results: list[dict], by_round: list[dict[str, dict]]
         vs = "" if r["vs_vllm_best"] is None else f"{r['vs_vllm_best']:.2f}x"
         cells = [r["system"], r["tokens_per_s"], vs, f"{r['roofline']:.0%}", f"{r['peak']:.0%}"]
         cells += [r["ttft_mean_ms"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["itl_p50_ms"], r["itl_p99_ms"]]
-        cells += [f"{r['match_hf']}/{r['requests']}", f"{r['agree_hf']:.0%}", r["host_gflops"], r["note"]]
+        cells += [f"{r['match_hf']}/{r['requests']}", f"{r['agree_hf']:.0%}", r["host_gflops"]]
+        cpu = ("client_cpu_s", "redis_cpu_s", "worker_cpu_s")
+        cells += [" / ".join(f"{r[k]:g}" for k in cpu) if cpu[0] in r else "", r["note"]]
         if meta["rounds"] > 1:
             rounds = " / ".join(f"{x:g}" for x in r["rounds_tokens_per_s"])
             cells[3:3] = [rounds, " / ".join(f"{x:.2f}" for x in r["vs_vllm_best_rounds"])]
