@@ -382,7 +382,7 @@ def run_e2e(
     note = f"worker process + Redis, {len(reqs)} concurrent requests {clients}, max_wait_ms {wait_ms:g}"
     note += f", stream_interval_ms {stream_interval_ms:g}, max_prefill_tokens {max_prefill_tokens}"
     note += ", --compile" if compile else ""
-    note += ", tcmalloc" if allocator_env() else ""
+    note += ", tcmalloc" if env else ""
     row = summarize("tokenfleet-e2e" + ("-compile" if compile else ""), traces, wall, note)
     return {**row, **counters.used}
 

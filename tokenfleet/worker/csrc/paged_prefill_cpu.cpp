@@ -74,8 +74,8 @@ inline void value_block(const float* p, int64_t p_ld, int64_t n, const float* v,
 }
 
 // Vectors per register block: the ROWS x J accumulators, J keys and a broadcast query must fit
-// the registers: 32 with AVX-512 (J = 4), 16 with AVX2 (J = 2; J = 4 spilled, and the kernel
-// ran 10x slower on an AVX2 EPYC).
+// the registers: 32 with AVX-512 (J = 4), 16 with AVX2 (J = 2; the AVX-512 blocking spilled
+// there, and the kernel ran 10x slower on an AVX2 EPYC).
 #ifdef __AVX512F__
 constexpr int MAX_J = 4;
 #else
