@@ -18,6 +18,7 @@ from tokenfleet.kvcache.allocator import BlockAllocator
 from tokenfleet.kvcache.store import PagedKVStore
 from tokenfleet.worker import attention
 from tokenfleet.worker.cpu_kernels import paged_attention_kernels
+from tokenfleet.worker.cpu_linear import onednn_linears_wanted, pack_linears
 from tokenfleet.worker.device import select_device, select_dtype
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ class Engine:
         self.use_prefill_kernel = self.use_kernel and self.head_dim % 16 == 0  # its vector width
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.decode_buckets = decode_buckets(max_batch_size)
+        if onednn_linears_wanted(self.device, self.dtype):  # after the KV budget: it counts weights
+            log.info("engine: %d float32 linears on oneDNN with prepacked weights", pack_linears(self.model))
         self._compiled = self._compile() if compile else None
         # prefill shapes vary with every batch: one graph with dynamic sizes (its GEMMs stay ATen,
         # the gain is fused norms, rotary and activations)
