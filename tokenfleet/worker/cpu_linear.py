@@ -11,6 +11,7 @@ nothing else shares are swapped. ``TOKENFLEET_ONEDNN_LINEAR=0`` keeps ``F.linear
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import torch
 from torch import nn
@@ -44,10 +45,7 @@ def onednn_linears_wanted(device: torch.device, dtype: torch.dtype) -> bool:
 def pack_linears(model: nn.Module) -> int:
     """Swap every float32 ``nn.Linear`` of ``model`` whose weight no other module uses (a tied
     output embedding stays as it is) for a :class:`PackedLinear`; returns how many."""
-    users: dict[int, int] = {}
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            users[id(param)] = users.get(id(param), 0) + 1
+    users = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     swaps = [
         (parent, name, child)
         for parent in model.modules()

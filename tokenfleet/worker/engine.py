@@ -105,14 +105,14 @@ class Engine:
         # attention in C++ on CPU (decode straight from the pool, prefill on the packed prompts);
         # elsewhere (and without a compiler) SDPA runs on gathered blocks and padded prompts
         self.use_kernel = self.device.type == "cpu" and paged_attention_kernels() is not None
-        self.use_prefill_kernel = self.use_kernel and self.head_dim % 16 == 0  # its vector width
+        self.use_prefill_kernel = self.use_kernel and self.head_dim % 16 == 0  # its widest vector (AVX-512)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.decode_buckets = decode_buckets(max_batch_size)
         if onednn_linears_wanted(self.device, self.dtype):  # after the KV budget: it counts weights
             log.info("engine: %d float32 linears on oneDNN with prepacked weights", pack_linears(self.model))
         self._compiled = self._compile() if compile else None
-        # prefill shapes vary with every batch: one graph with dynamic sizes (its GEMMs stay ATen,
-        # the gain is fused norms, rotary and activations)
+        # prefill shapes vary with every batch: one graph with dynamic sizes (its GEMMs are not
+        # autotuned; the gain is fused norms, rotary and activations)
         self._compiled_prefill = (
             torch.compile(self.model.base_model, dynamic=True, options={"max_autotune": False})
             if compile
