@@ -21,7 +21,8 @@ Columns: generated tokens/s over the run's wall time; TTFT (first token - arriva
 p99 (the mean shows a batch started in parts, which a nearest-rank p50 can hide), inter-token
 latency p50/p99; ``vs vLLM`` = tokens/s over vllm-best's; ``roofline`` = the time the
 workload's matmuls alone take at the matmul speed measured here (the model's own weight shapes,
-``M`` = prefill tokens for prefill, ``M`` = batch size for decode) over the row's wall time;
+``M`` = prefill tokens for prefill, ``M`` = batch size for decode; for bf16 the faster of the
+bf16 and float32 GEMMs, which compute the same products) over the row's wall time;
 ``peak`` = the workload's FLOPs at the largest square-matmul FLOP/s measured here, over wall time;
 ``= HF`` = requests whose tokens equal HF generate's at batch 1 in the same dtype, and ``agree``
 the share of tokens before the first difference (bf16 rows may part on near-ties); ``host
@@ -529,6 +530,19 @@ def attention_flops(model, context: int) -> int:
 
 
 def measure_matmul(dtype, m: int, k: int, n: int, seconds: float = 0.3) -> float:
+    """FLOP/s of the fastest GEMM this machine has for ``dtype``'s products: for bf16, the better
+    of its bf16 GEMM and a float32 GEMM (bf16 numbers widen exactly, and their products are exact
+    in float32, so a float32 GEMM computes a bf16 matmul; on CPUs whose bf16 GEMM is the slower,
+    tokenfleet's linears take it)."""
+    import torch
+
+    speed = time_matmul(dtype, m, k, n, seconds)
+    if dtype == torch.bfloat16:
+        speed = max(speed, time_matmul(torch.float32, m, k, n, seconds))
+    return speed
+
+
+def time_matmul(dtype, m: int, k: int, n: int, seconds: float) -> float:
     import torch
 
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
@@ -805,7 +819,8 @@ def write(args, meta: dict, results: list[dict], by_round: list[dict[str, dict]]
         f"{meta['size'] or meta['model']}; {meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}. "
         f"Matmul GFLOP/s measured: {meta['matmul_flops_per_s_prefill_shapes']} "
         f"(prefill shapes, M={meta['prefill_m']}), {meta['matmul_flops_per_s_decode_shapes']} "
-        f"(decode shapes, M={meta['decode_m']}), {meta['matmul_flops_per_s_peak']} (peak). "
+        f"(decode shapes, M={meta['decode_m']}), {meta['matmul_flops_per_s_peak']} (peak)"
+        f"{'; bf16: the faster of bf16 and float32 GEMMs' if meta['dtype'] == 'bfloat16' else ''}. "
         f"host GFLOP/s: a {meta['decode_m']}x{meta['probe_shape'][0]}x{meta['probe_shape'][1]} "
         "matmul right before the row, to show the host's drift."
     )

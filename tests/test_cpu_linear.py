@@ -1,10 +1,15 @@
-"""float32 linears on oneDNN with prepacked weights: same outputs as ``F.linear``, no second copy
-of a weight, a tied output embedding left alone."""
+"""Linears on oneDNN float32 GEMMs with prepacked weights: float32 outputs equal ``F.linear``'s;
+bf16 outputs equal a float32 GEMM of the same bf16 numbers, rounded to bf16; no second copy of a
+weight; a tied output embedding left alone; bf16 routed by a measurement or by the switch."""
+
+import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from tokenfleet.worker import cpu_linear
 from tokenfleet.worker.cpu_linear import PackedLinear, onednn_linears_wanted, pack_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
@@ -41,15 +46,64 @@ def test_packed_model_matches_and_tied_weights_stay(tie):
     assert not any(name.endswith("proj.weight") for name, _ in model.named_parameters())
 
 
-def test_only_float32_on_the_cpu_and_the_switch_turns_it_off(monkeypatch):
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+def test_a_bf16_linear_computes_the_bf16_products_in_float32_and_rounds_once(bias, rows):
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 80, bias=bias).to(torch.bfloat16)
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    with torch.inference_mode():
+        # the same numbers widened (exactly) to float32, float32 sums, one rounding at the end
+        reference = F.linear(
+            x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float()
+        ).to(torch.bfloat16)
+        native = linear(x)
+        got = PackedLinear(linear)(x)
+    assert got.dtype is torch.bfloat16 and got.shape == (rows, 80)
+    # summation order may differ from MKL's in the last float32 bits: at most one bf16 step apart
+    assert torch.allclose(got.float(), reference.float(), rtol=2**-7, atol=1e-6)
+    # and as close to the exact result as a native bf16 GEMM is
+    bias = None if linear.bias is None else linear.bias.double()
+    exact = F.linear(x.double(), linear.weight.double(), bias)
+    assert (got.double() - exact).abs().max() <= (native.double() - exact).abs().max() * 1.5 + 1e-6
+
+
+def test_float32_always_on_the_cpu_and_the_switch_turns_it_off(monkeypatch):
     cpu = torch.device("cpu")
     assert onednn_linears_wanted(cpu, torch.float32)
-    assert not onednn_linears_wanted(cpu, torch.bfloat16)
+    assert not onednn_linears_wanted(cpu, torch.float16)
     assert not onednn_linears_wanted(torch.device("cuda"), torch.float32)
+    assert not onednn_linears_wanted(torch.device("cuda"), torch.bfloat16)
     monkeypatch.setenv("TOKENFLEET_ONEDNN_LINEAR", "0")
     assert not onednn_linears_wanted(cpu, torch.float32)
+    monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "float32")
+    assert not onednn_linears_wanted(cpu, torch.bfloat16)
 
 
-def test_bf16_linears_are_left_alone():
-    model = Tiny(False).to(torch.bfloat16)
-    assert pack_linears(model) == 0
+def test_bf16_takes_float32_gemms_where_they_measure_faster(monkeypatch, caplog):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(cpu_linear, "bf16_matmul_speed", lambda: 0.6)
+    with caplog.at_level(logging.INFO, logger=cpu_linear.__name__):
+        assert onednn_linears_wanted(cpu, torch.bfloat16)
+    assert "0.60x float32" in caplog.text and "TOKENFLEET_BF16_LINEAR=native" in caplog.text
+    monkeypatch.setattr(cpu_linear, "bf16_matmul_speed", lambda: 1.9)
+    assert not onednn_linears_wanted(cpu, torch.bfloat16)
+
+
+def test_the_bf16_switch_overrides_the_measurement_and_refuses_typos(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(cpu_linear, "bf16_matmul_speed", lambda: pytest.fail("timed despite the switch"))
+    monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "native")
+    assert not onednn_linears_wanted(cpu, torch.bfloat16)
+    monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "float32")
+    assert onednn_linears_wanted(cpu, torch.bfloat16)
+    monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "fp32")
+    with pytest.raises(ValueError, match="TOKENFLEET_BF16_LINEAR"):
+        onednn_linears_wanted(cpu, torch.bfloat16)
+
+
+def test_bf16_and_float16_models_pack_only_what_oneDNN_float32_can_hold():
+    bf16 = Tiny(False).to(torch.bfloat16)
+    assert pack_linears(bf16) == 3 and bf16.proj.packed_weight.dtype is torch.float32
+    half = Tiny(False).to(torch.float16)
+    assert pack_linears(half) == 0

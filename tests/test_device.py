@@ -1,25 +1,19 @@
-"""``--dtype auto`` on the CPU: bf16 where the CPU has it, and a warning where its matmuls measure
-slower than float32's."""
+"""``--dtype auto`` on the CPU: bf16 where the CPU has it, float32 elsewhere, and a warning for a
+named bf16 whose matmuls would be emulated."""
 
 import logging
 import math
 
+import pytest
 import torch
 
 from tokenfleet.worker import device
 
 
-def test_auto_keeps_bf16_and_warns_when_its_matmuls_measure_slower(monkeypatch, caplog):
+def test_auto_is_bf16_where_the_cpu_has_it_without_timing_anything(monkeypatch, caplog):
+    # whether its matmuls are the faster is the engine's business (cpu_linear routes them)
     monkeypatch.setattr(device, "cpu_supports_bf16", lambda: True)
-    monkeypatch.setattr(device, "bf16_matmul_speed", lambda: 0.5)
-    with caplog.at_level(logging.WARNING, logger=device.__name__):
-        assert device.select_dtype("auto", torch.device("cpu")) is torch.bfloat16
-    assert "0.50x float32" in caplog.text and "--dtype float32" in caplog.text
-
-
-def test_auto_is_quiet_when_bf16_is_the_faster(monkeypatch, caplog):
-    monkeypatch.setattr(device, "cpu_supports_bf16", lambda: True)
-    monkeypatch.setattr(device, "bf16_matmul_speed", lambda: 2.4)
+    monkeypatch.setattr(device, "bf16_matmul_speed", lambda: pytest.fail("select_dtype timed matmuls"))
     with caplog.at_level(logging.WARNING, logger=device.__name__):
         assert device.select_dtype("auto", torch.device("cpu")) is torch.bfloat16
     assert not caplog.text

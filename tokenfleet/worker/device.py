@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# below this bf16/float32 matmul speed ratio, `--dtype auto` says that float32 may serve faster
+# below this bf16/float32 matmul speed ratio, bf16 linears run on float32 GEMMs (cpu_linear)
 BF16_SLOWER_HINT = 0.8
 
 log = logging.getLogger(__name__)
@@ -82,10 +82,10 @@ def bf16_matmul_speed(rows: int = 64, size: int = 1024, rounds: int = 5) -> floa
 def select_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto``: bf16 on accelerators and on CPUs with native bf16, float32 otherwise.
 
-    Native bf16 is not always the faster one: some CPUs run float32 matmuls (MKL) at twice the
-    bf16 rate (oneDNN). bf16 stays the choice (half the memory for weights and KV cache, and the
-    same dtype on every worker of a fleet, whatever a timing says), with a warning that names
-    the measured ratio."""
+    Native bf16 is not always the faster one: some CPUs run float32 matmuls (MKL, oneDNN) at up
+    to twice the bf16 rate. bf16 stays the choice (half the memory for KV cache and activations,
+    and the same dtype on every worker of a fleet, whatever a timing says); the engine then runs
+    its linears on float32 GEMMs (see ``cpu_linear``), which compute the same products."""
     if name != "auto":
         if name not in DTYPES:
             raise ValueError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
@@ -100,13 +100,4 @@ def select_dtype(name: str, device: torch.device) -> torch.dtype:
         return DTYPES[name]
     if device.type in ("cuda", "npu"):
         return torch.bfloat16
-    if not cpu_supports_bf16():
-        return torch.float32
-    speed = bf16_matmul_speed()
-    if speed < BF16_SLOWER_HINT:
-        log.warning(
-            "dtype auto: bfloat16, whose matmuls run at %.2fx float32's on this CPU; a model small "
-            "enough to be compute-bound may serve faster with --dtype float32 (twice the memory)",
-            speed,
-        )
-    return torch.bfloat16
+    return torch.bfloat16 if cpu_supports_bf16() else torch.float32

@@ -109,7 +109,7 @@ class Engine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.decode_buckets = decode_buckets(max_batch_size)
         if onednn_linears_wanted(self.device, self.dtype):  # after the KV budget: it counts weights
-            log.info("engine: %d float32 linears on oneDNN with prepacked weights", pack_linears(self.model))
+            log.info("engine: %d linears on oneDNN float32 GEMMs, prepacked", pack_linears(self.model))
         self._compiled = self._compile() if compile else None
         # prefill shapes vary with every batch: one graph with dynamic sizes (its GEMMs are not
         # autotuned; the gain is fused norms, rotary and activations)
