@@ -90,6 +90,20 @@ def test_bf16_takes_float32_gemms_where_they_measure_faster(monkeypatch, caplog)
     assert not onednn_linears_wanted(cpu, torch.bfloat16)
 
 
+def test_bf16_stays_on_bf16_gemms_when_float32_weights_would_not_fit(monkeypatch, caplog):
+    cpu, model = torch.device("cpu"), Tiny(False).to(torch.bfloat16)
+    extra = 2 * (16 * 32 + 32 * 16 + 16 * 50)  # bytes the float32 copies of the 3 linears add
+    monkeypatch.setattr(cpu_linear, "bf16_matmul_speed", lambda: 0.6)
+    monkeypatch.setattr(cpu_linear, "available_memory_bytes", lambda: 2 * extra)
+    assert onednn_linears_wanted(cpu, torch.bfloat16, model)
+    monkeypatch.setattr(cpu_linear, "available_memory_bytes", lambda: 2 * extra - 1)
+    with caplog.at_level(logging.INFO, logger=cpu_linear.__name__):
+        assert not onednn_linears_wanted(cpu, torch.bfloat16, model)
+    assert "stay on bf16 GEMMs" in caplog.text
+    monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "float32")  # the user's word overrides the guess
+    assert onednn_linears_wanted(cpu, torch.bfloat16, model)
+
+
 def test_the_bf16_switch_overrides_the_measurement_and_refuses_typos(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(cpu_linear, "bf16_matmul_speed", lambda: pytest.fail("timed despite the switch"))

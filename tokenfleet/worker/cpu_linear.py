@@ -63,8 +63,16 @@ def bf16_linear_route() -> str:
     return route
 
 
-def onednn_linears_wanted(device: torch.device, dtype: torch.dtype) -> bool:
-    """float32 always (on the CPU, with oneDNN); bf16 when float32 GEMMs are the faster here."""
+def available_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system that reports it
+        return None
+
+
+def onednn_linears_wanted(device: torch.device, dtype: torch.dtype, model: nn.Module | None = None) -> bool:
+    """float32 always (on the CPU, with oneDNN); bf16 when float32 GEMMs are the faster here and
+    (under ``auto``) the float32 copies of ``model``'s linear weights fit in half the free memory."""
     if not (
         device.type == "cpu"
         and torch.backends.mkldnn.is_available()
@@ -79,15 +87,28 @@ def onednn_linears_wanted(device: torch.device, dtype: torch.dtype) -> bool:
     if route != "auto":
         return route == "float32"
     speed = bf16_matmul_speed()
-    if speed < BF16_SLOWER_HINT:
+    if speed >= BF16_SLOWER_HINT:
+        return False
+    # a float32 weight takes 2 bytes an element more than its bf16 original
+    extra = 0 if model is None else sum(m.weight.numel() * 2 for m in model.modules() if type(m) is nn.Linear)
+    free = available_memory_bytes()
+    if free is not None and extra > free / 2:
         log.info(
-            "bf16 matmuls run at %.2fx float32's on this CPU: linears compute on float32 GEMMs "
-            "(the same products and float32 sums, outputs rounded to bf16; weights held in float32, "
-            "twice the memory). TOKENFLEET_BF16_LINEAR=native keeps bf16 GEMMs",
+            "bf16 matmuls run at %.2fx float32's on this CPU, but float32 weights would take %.1f GiB "
+            "more of %.1f GiB free: linears stay on bf16 GEMMs (TOKENFLEET_BF16_LINEAR=float32 forces it)",
             speed,
+            extra / 2**30,
+            free / 2**30,
         )
-        return True
-    return False
+        return False
+    log.info(
+        "bf16 matmuls run at %.2fx float32's on this CPU: linears compute on float32 GEMMs "
+        "(the same products and float32 sums, outputs rounded to bf16; weights held in float32, "
+        "%.1f GiB more). TOKENFLEET_BF16_LINEAR=native keeps bf16 GEMMs",
+        speed,
+        extra / 2**30,
+    )
+    return True
 
 
 def pack_linears(model: nn.Module) -> int:

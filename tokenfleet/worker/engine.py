@@ -108,7 +108,8 @@ class Engine:
         self.use_prefill_kernel = self.use_kernel and self.head_dim % 16 == 0  # its widest vector (AVX-512)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.decode_buckets = decode_buckets(max_batch_size)
-        if onednn_linears_wanted(self.device, self.dtype):  # after the KV budget: it counts weights
+        # after the KV budget, which counts the weights as loaded
+        if onednn_linears_wanted(self.device, self.dtype, self.model):
             log.info("engine: %d linears on oneDNN float32 GEMMs, prepacked", pack_linears(self.model))
         self._compiled = self._compile() if compile else None
         # prefill shapes vary with every batch: one graph with dynamic sizes (its GEMMs are not
