@@ -90,7 +90,7 @@ def onednn_linears_wanted(device: torch.device, dtype: torch.dtype, model: nn.Mo
     if speed >= BF16_SLOWER_HINT:
         return False
     # a float32 weight takes 2 bytes an element more than its bf16 original
-    extra = 0 if model is None else sum(m.weight.numel() * 2 for m in model.modules() if type(m) is nn.Linear)
+    extra = 0 if model is None else sum(child.weight.numel() * 2 for _, _, child in swappable_linears(model))
     free = available_memory_bytes()
     if free is not None and extra > free / 2:
         log.info(
@@ -111,11 +111,11 @@ def onednn_linears_wanted(device: torch.device, dtype: torch.dtype, model: nn.Mo
     return True
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swap every float32 or bf16 ``nn.Linear`` of ``model`` whose weight no other module uses
-    (a tied output embedding stays as it is) for a :class:`PackedLinear`; returns how many."""
+def swappable_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, linear) for every float32 or bf16 ``nn.Linear`` of ``model`` whose
+    weight no other module uses (a tied output embedding stays as it is)."""
     users = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    swaps = [
+    return [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
@@ -123,6 +123,11 @@ def pack_linears(model: nn.Module) -> int:
         and child.weight.dtype in (torch.float32, torch.bfloat16)
         and users[id(child.weight)] == 1
     ]
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap each of :func:`swappable_linears` for a :class:`PackedLinear`; returns how many."""
+    swaps = swappable_linears(model)
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child))
     return len(swaps)
