@@ -168,14 +168,14 @@ def wait_until(t: float) -> None:
 # -- the systems ----------------------------------------------------------------------------------
 
 
-def load_hf(model_dir: str, dtype: str):
+def load_hf(model_dir: str, dtype: str, device: str = "cpu"):
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa"
     )
-    return model.eval()
+    return model.eval().to(device)
 
 
 def run_hf_b1(model, reqs: list[Req], limit: int) -> dict:
@@ -184,13 +184,14 @@ def run_hf_b1(model, reqs: list[Req], limit: int) -> dict:
     reqs = reqs[:limit]
     traces = [Trace(0.0) for _ in reqs]
     with torch.inference_mode():
-        model.generate(torch.tensor([reqs[0].prompt_ids[:8]]), max_new_tokens=2, do_sample=False)  # warm-up
+        warm = torch.tensor([reqs[0].prompt_ids[:8]], device=model.device)
+        model.generate(warm, max_new_tokens=2, do_sample=False)
         start = time.perf_counter()
         for req, trace in zip(reqs, traces):
             trace.arrival = start + req.arrival_s
             wait_until(trace.arrival)
             model.generate(
-                torch.tensor([req.prompt_ids]),
+                torch.tensor([req.prompt_ids], device=model.device),
                 max_new_tokens=req.max_new_tokens,
                 min_new_tokens=req.max_new_tokens,
                 do_sample=False,
@@ -210,6 +211,7 @@ def run_hf_batch(model, reqs: list[Req], pad_id: int) -> dict:
     for row, r in enumerate(reqs):  # left padding, as generate wants for decoder-only models
         ids[row, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
         mask[row, width - len(r.prompt_ids) :] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     longest = max(r.max_new_tokens for r in reqs)
     traces = [Trace(0.0) for _ in reqs]
     with torch.inference_mode():
@@ -285,6 +287,7 @@ def run_engine(
     max_seq_len: int,
     compile: bool = False,
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+    device: str = "cpu",
 ) -> dict:
     from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
     from tokenfleet.protocol import Request
@@ -293,7 +296,9 @@ def run_engine(
     from tokenfleet.worker.sequence import SeqState
 
     kv = KVCacheConfig(num_blocks=pool_blocks(reqs, max_batch_size))
-    engine = Engine(model_dir, dtype=dtype, kv=kv, compile=compile, max_batch_size=max_batch_size)
+    engine = Engine(
+        model_dir, device=device, dtype=dtype, kv=kv, compile=compile, max_batch_size=max_batch_size
+    )
     engine.warm_up()  # compiles (when asked) before the clock starts, as the worker does
     batching = DynamicBatchingConfig(
         mode="continuous",
@@ -362,13 +367,23 @@ def run_e2e(
     compile: bool = False,
     shared_client: bool = True,
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+    device: str = "cpu",
 ) -> dict:
 
     from tokenfleet.embedded import EmbeddedRedis
     from tokenfleet.producer import AsyncClient
 
     prefix = f"compare-{os.getpid()}"
-    flags = ["--dtype", dtype, "--buckets", str(max_seq_len // 2), "--max-seq-len", str(max_seq_len)]
+    flags = [
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        "--buckets",
+        str(max_seq_len // 2),
+        "--max-seq-len",
+        str(max_seq_len),
+    ]
     flags += ["--mode", "continuous", "--max-wait-ms", str(wait_ms), "--max-batch-size", str(max_batch_size)]
     flags += ["--num-blocks", str(pool_blocks(reqs, max_batch_size))]
     flags += ["--max-prefill-tokens", str(max_prefill_tokens)]
@@ -529,35 +544,38 @@ def attention_flops(model, context: int) -> int:
     return 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * context  # QK^T and AV
 
 
-def measure_matmul(dtype, m: int, k: int, n: int, seconds: float = 0.3) -> float:
+def measure_matmul(dtype, m: int, k: int, n: int, seconds: float = 0.3, device: str = "cpu") -> float:
     """FLOP/s of the fastest GEMM this machine has for ``dtype``'s products: for bf16, the better
     of its bf16 GEMM and a float32 GEMM (bf16 numbers widen exactly, and their products are exact
     in float32, so a float32 GEMM computes a bf16 matmul; on CPUs whose bf16 GEMM is the slower,
     tokenfleet's linears take it)."""
     import torch
 
-    speed = time_matmul(dtype, m, k, n, seconds)
-    if dtype == torch.bfloat16:
-        speed = max(speed, time_matmul(torch.float32, m, k, n, seconds))
+    speed = time_matmul(dtype, m, k, n, seconds, device)
+    if dtype == torch.bfloat16 and device == "cpu":
+        speed = max(speed, time_matmul(torch.float32, m, k, n, seconds, device))
     return speed
 
 
-def time_matmul(dtype, m: int, k: int, n: int, seconds: float) -> float:
+def time_matmul(dtype, m: int, k: int, n: int, seconds: float, device: str = "cpu") -> float:
     import torch
 
-    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for _ in range(2):
         a @ b
+    sync()
     best = float("inf")
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         t = time.perf_counter()
         a @ b
+        sync()
         best = min(best, time.perf_counter() - t)
     return 2 * m * k * n / best
 
 
-def roofline(model, dtype_name: str, reqs: list[Req], max_batch_size: int) -> dict:
+def roofline(model, dtype_name: str, reqs: list[Req], max_batch_size: int, device: str = "cpu") -> dict:
     """The workload's FLOPs, the FLOP/s of this machine's matmuls at the workload's shapes and at
     their best, and the seconds each would need."""
     import torch
@@ -577,11 +595,11 @@ def roofline(model, dtype_name: str, reqs: list[Req], max_batch_size: int) -> di
 
     def shape_speed(m: int) -> float:  # FLOP-weighted over the model's distinct weight shapes
         flops = {s: 2 * m * s[0] * s[1] * shapes.count(s) for s in set(shapes)}
-        seconds = sum(f / measure_matmul(dtype, m, s[0], s[1]) for s, f in flops.items())
+        seconds = sum(f / measure_matmul(dtype, m, s[0], s[1], device=device) for s, f in flops.items())
         return sum(flops.values()) / seconds
 
     prefill_speed, decode_speed = shape_speed(prefill_m), shape_speed(batch)
-    peak = max(measure_matmul(dtype, 2048, 2048, 2048), prefill_speed)
+    peak = max(measure_matmul(dtype, 2048, 2048, 2048, device=device), prefill_speed)
     total = prefill_flops + decode_flops + attn
     return {
         "flops": total,
@@ -605,6 +623,11 @@ def main() -> None:
         "--size", default="tiny", choices=["tiny", "small"], help="model built when --model is not given"
     )
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu or cuda[:N]: where HF and tokenfleet rows run (vLLM rows are vLLM-CPU: cpu only)",
+    )
     p.add_argument("--workload", default="fixed", choices=["fixed", "mixed", "poisson"])
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128)
@@ -655,6 +678,8 @@ def main() -> None:
     longest = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs)
     max_seq_len = max(2 * bucket, 1 << (longest - 1).bit_length())
     rows = args.only.split(",") if args.only else list(ROWS)
+    if args.device != "cpu":
+        rows = [r for r in rows if not r.startswith("vllm")]
     if not VLLM_VENV.exists():
         skipped = [r for r in rows if r.startswith("vllm")]
         rows = [r for r in rows if not r.startswith("vllm")]
@@ -664,18 +689,18 @@ def main() -> None:
                 file=sys.stderr,
             )
 
-    hf = load_hf(model_dir, args.dtype)
+    hf = load_hf(model_dir, args.dtype, args.device)
     # HF generate at batch 1, same dtype: the tokens every row is checked against
     expected = [
         hf.generate(
-            torch.tensor([r.prompt_ids]),
+            torch.tensor([r.prompt_ids], device=hf.device),
             max_new_tokens=r.max_new_tokens,
             min_new_tokens=r.max_new_tokens,
             do_sample=False,
         )[0, len(r.prompt_ids) :].tolist()
         for r in reqs
     ]
-    roof = roofline(hf, args.dtype, reqs, args.max_batch_size)
+    roof = roofline(hf, args.dtype, reqs, args.max_batch_size, args.device)
     engine = partial(
         run_engine,
         model_dir,
@@ -684,6 +709,7 @@ def main() -> None:
         args.max_batch_size,
         max_seq_len,
         max_prefill_tokens=args.max_prefill_tokens,
+        device=args.device,
     )
     e2e = partial(
         run_e2e,
@@ -696,6 +722,7 @@ def main() -> None:
         args.stream_interval_ms,
         shared_client=not args.client_per_request,
         max_prefill_tokens=args.max_prefill_tokens,
+        device=args.device,
     )
     vllm = partial(run_vllm, model_dir, args.dtype, reqs, args.max_batch_size, max_seq_len)
     runners = {
@@ -718,7 +745,9 @@ def main() -> None:
         done: dict[str, dict] = {}
         for name in rows:
             print(f"running {name} (round {round_no + 1}/{args.rounds}) ...", file=sys.stderr, flush=True)
-            host = measure_matmul(dtype, roof["decode_m"], *probe_shape, seconds=0.2) / 1e9
+            host = (
+                measure_matmul(dtype, roof["decode_m"], *probe_shape, seconds=0.2, device=args.device) / 1e9
+            )
             try:
                 row = runners[name]()
             except Exception as e:  # one failing peer must not cost the others' figures
@@ -751,6 +780,7 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": cpu_name(),
+        "device": device_name(args.device),
         "python": platform.python_version(),
         **roof,
     }
@@ -797,6 +827,12 @@ def scale(row: dict, reqs: list[Req]) -> float:
     return row["generated_tokens"] / sum(r.max_new_tokens for r in reqs)
 
 
+def device_name(device: str) -> str:
+    import torch
+
+    return cpu_name() if device == "cpu" else torch.cuda.get_device_name(torch.device(device))
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -814,13 +850,16 @@ def write(args, meta: dict, results: list[dict], by_round: list[dict[str, dict]]
     (out / f"{stem}.json").write_text(
         json.dumps({"meta": meta, "rows": results, "rounds": by_round}, indent=1)
     )
+    on_cpu = meta.get("device", meta["cpu"]) == meta["cpu"]
+    either = "; bf16: the faster of bf16 and float32 GEMMs"
     header = (
         f"{meta['workload']} workload, {meta['requests']} requests, {meta['dtype']}, "
-        f"{meta['size'] or meta['model']}; {meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}. "
+        f"{meta['size'] or meta['model']}; {meta.get('device', meta['cpu'])}, {meta['threads']} CPU threads, "
+        f"torch {meta['torch']}. "
         f"Matmul GFLOP/s measured: {meta['matmul_flops_per_s_prefill_shapes']} "
         f"(prefill shapes, M={meta['prefill_m']}), {meta['matmul_flops_per_s_decode_shapes']} "
         f"(decode shapes, M={meta['decode_m']}), {meta['matmul_flops_per_s_peak']} (peak)"
-        f"{'; bf16: the faster of bf16 and float32 GEMMs' if meta['dtype'] == 'bfloat16' else ''}. "
+        f"{either if meta['dtype'] == 'bfloat16' and on_cpu else ''}. "
         f"host GFLOP/s: a {meta['decode_m']}x{meta['probe_shape'][0]}x{meta['probe_shape'][1]} "
         "matmul right before the row, to show the host's drift."
     )

@@ -17,6 +17,9 @@ from tokenfleet.embedded import EmbeddedRedis, answers
 from tokenfleet.protocol import Keys
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+# The device the engine tests run on: cpu by default; `TOKENFLEET_TEST_DEVICE=cuda pytest` runs the
+# same equivalence checks on a GPU (the reference `generate` runs there too).
+TEST_DEVICE = os.environ.get("TOKENFLEET_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +63,9 @@ def engine(tiny_model: str):
     """One fp32 engine (greedy equivalence is checked in fp32: bf16 batched shapes round differently)."""
     from tokenfleet.worker.engine import Engine
 
-    return Engine(tiny_model, device="cpu", dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=2048))
+    return Engine(
+        tiny_model, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=2048)
+    )
 
 
 class Reference:
@@ -72,7 +77,9 @@ class Reference:
 
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(TEST_DEVICE)
+        )
         self._memo: dict[tuple, list[int]] = {}
 
     def ids(self, prompt: str) -> list[int]:
@@ -81,7 +88,7 @@ class Reference:
     def greedy(self, input_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
         key = (tuple(input_ids), max_new_tokens, ignore_eos)
         if key not in self._memo:
-            ids = self.torch.tensor([input_ids])
+            ids = self.torch.tensor([input_ids], device=TEST_DEVICE)
             kwargs = dict(
                 max_new_tokens=max_new_tokens, do_sample=False, attention_mask=self.torch.ones_like(ids)
             )

@@ -4,6 +4,7 @@ token in every mode, with mixed lengths, staggered arrivals and forced preemptio
 import time
 
 import pytest
+from conftest import TEST_DEVICE
 
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
 from tokenfleet.protocol import Request
@@ -92,7 +93,9 @@ def test_continuous_mode_lets_requests_join_a_running_batch(engine, reference):
 
 def test_small_pool_forces_preemption_and_still_matches(tiny_model, reference):
     # 12 blocks of 4 tokens: four sequences of ~10 prompt + 24 new tokens cannot all stay resident
-    small = Engine(tiny_model, device="cpu", dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=12))
+    small = Engine(
+        tiny_model, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=12)
+    )
     cfg = DynamicBatchingConfig(
         max_wait_ms=0, max_batch_size=4, max_seq_len=64, buckets=(16,), mode="continuous"
     )
@@ -111,7 +114,9 @@ def test_small_pool_forces_preemption_and_still_matches(tiny_model, reference):
 
 
 def test_request_larger_than_the_pool_is_rejected(tiny_model, reference):
-    small = Engine(tiny_model, device="cpu", dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=3))
+    small = Engine(
+        tiny_model, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=3)
+    )
     sched = Scheduler(small, DynamicBatchingConfig(max_seq_len=64, buckets=(16,)))
     rejection = sched.add(seq_for(small, reference, 0, "Hello", max_new=20), 0.0)
     assert rejection is not None and rejection.code == "cache_too_small"
@@ -182,10 +187,13 @@ def test_every_attention_path_equals_generate(engine, reference, path):
     rows) all give generate's tokens."""
     from tokenfleet.worker.cpu_kernels import paged_attention_kernels
 
-    if path == "kernel" and paged_attention_kernels() is None:
-        pytest.skip("no C++ compiler here: the kernels fall back to gather")
+    on_cpu = engine.device.type == "cpu"
+    if path == "kernel" and not (on_cpu and paged_attention_kernels() is not None):
+        pytest.skip("the C++ kernels are for CPU tensors, and need a C++ compiler")
     saved = engine.use_kernel, engine.use_prefill_kernel, engine.pad_decode_batches
-    engine.use_kernel = engine.use_prefill_kernel = path != "gather" and paged_attention_kernels() is not None
+    engine.use_kernel = engine.use_prefill_kernel = (
+        path != "gather" and on_cpu and paged_attention_kernels() is not None
+    )
     engine.pad_decode_batches = path == "padded-batch"
     try:
         got = _greedy_batch(engine, reference, PROMPTS, max_new=14)
@@ -221,7 +229,7 @@ def test_compiled_decode_equals_generate(tiny_model, reference):
     equivalence; one bucket (max_batch_size 8) keeps the compile to well under a minute."""
     compiled = Engine(
         tiny_model,
-        device="cpu",
+        device=TEST_DEVICE,
         dtype="float32",
         kv=KVCacheConfig(block_size=4, num_blocks=512),
         compile=True,

@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+from conftest import TEST_DEVICE
 
 from tokenfleet import protocol
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
@@ -64,7 +65,9 @@ def test_small_pool_preempts_and_every_request_completes_without_duplicates(
     from conftest import RunningWorker
 
     # 16 blocks of 4 tokens = 64 slots for 6 sequences of up to ~40 tokens each
-    small = Engine(tiny_model, device="cpu", dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=16))
+    small = Engine(
+        tiny_model, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=16)
+    )
     batching = DynamicBatchingConfig(
         max_wait_ms=10, max_batch_size=6, max_seq_len=128, buckets=(32,), mode="continuous"
     )

@@ -86,9 +86,12 @@ def packed_prefill_attention(
     tokens: prompts of similar lengths are padded into one SDPA call under ``mask`` ``[B, 1, L, L]``
     (from which the lengths are read), so a batch of mixed lengths does not pay for the longest
     one's square on every row. Returns ``[1, N, heads, head_dim]``."""
-    lengths = mask[:, 0, -1].sum(-1)  # the last query row of a causal mask sees all valid keys
+    # the last query row of a causal mask sees all valid keys; the index arithmetic runs on the
+    # host (one sync per layer on an accelerator), the gathers on the tensors' device
+    lengths = mask[:, 0, -1].sum(-1).cpu()
     starts = torch.cumsum(lengths, 0) - lengths
     _, heads, total, head_dim = query.shape
+    dev = query.device
     out = query.new_empty(total, heads, head_dim)
     for rows in length_groups(lengths.tolist()):
         index = torch.tensor(rows)
@@ -96,10 +99,10 @@ def packed_prefill_attention(
         width = int(lens.max())
         segment = torch.repeat_interleave(torch.arange(len(rows)), lens)
         position = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[segment]
-        src = starts[index][segment] + position  # each token's place in the packed step
-        dst = segment * width + position  # and in the group's [rows, width] padding
+        src = (starts[index][segment] + position).to(dev)  # each token's place in the packed step
+        dst = (segment * width + position).to(dev)  # and in the group's [rows, width] padding
         q, k, v = (unpack(t, src, dst, len(rows), width) for t in (query, key, value))
-        group_mask = mask[index][:, :, :width, :width]
+        group_mask = mask[index.to(dev)][:, :, :width, :width]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=group_mask, scale=scale, enable_gqa=gqa)
         out[src] = o.transpose(1, 2).reshape(len(rows) * width, heads, head_dim)[dst]
     return out[None]

@@ -314,8 +314,9 @@ class Engine:
         # dynamic prefill: without this, sizes that happen to be equal at warm-up (2 prompts, 2 KV
         # heads) are assumed equal forever, and the first real batch recompiles mid-serving
         fx_config.use_duck_shape = False
-        inductor.max_autotune = True
-        inductor.max_autotune_gemm_backends = "CPP,ATEN"
+        if self.device.type == "cpu":  # accelerators keep inductor's defaults (their vendor GEMMs)
+            inductor.max_autotune = True
+            inductor.max_autotune_gemm_backends = "CPP,ATEN"
         torch._dynamo.config.cache_size_limit = max(
             torch._dynamo.config.cache_size_limit, 4 * len(self.decode_buckets)
         )
