@@ -67,10 +67,19 @@ def test_prefill_operator_equals_sdpa_per_prompt(lengths, heads, kv_heads, head_
     assert torch.equal(v_pool[blocks, offsets], v[0].transpose(0, 1))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_operator_equals_sdpa_over_the_pool(dtype):
-    """Three sequences whose earlier tokens sit in the pool, one new token each."""
-    lengths, heads, kv_heads, head_dim = [9, 1, 40], 4, 2, 64
+@pytest.mark.parametrize(
+    "lengths, heads, kv_heads, head_dim, dtype",
+    [
+        ([9, 1, 40], 4, 2, 64, torch.float32),
+        ([9, 1, 40], 4, 2, 64, torch.bfloat16),
+        # the bf16 vector code works on 16 tokens at a time: lengths on both sides of that
+        ([15, 16, 31, 160], 12, 12, 64, torch.bfloat16),
+        ([47, 3], 8, 2, 128, torch.bfloat16),
+        ([20, 5], 4, 4, 80, torch.bfloat16),  # a head size the vector code leaves to the plain loops
+    ],
+)
+def test_decode_operator_equals_sdpa_over_the_pool(lengths, heads, kv_heads, head_dim, dtype):
+    """Sequences whose earlier tokens sit in the pool, one new token each."""
     totals = [n + 1 for n in lengths]
     q, k, v, k_pool, v_pool, blocks, offsets = packed_prompts(totals, heads, kv_heads, head_dim, dtype)
     ends = torch.cumsum(torch.tensor(totals), 0)
@@ -79,10 +88,11 @@ def test_decode_operator_equals_sdpa_over_the_pool(dtype):
     k_pool[blocks[history], offsets[history]] = k[0].transpose(0, 1)[history]
     v_pool[blocks[history], offsets[history]] = v[0].transpose(0, 1)[history]
     first_block = blocks[ends - torch.tensor(lengths) - 1]
-    tables = torch.stack([first_block + i for i in range(3)], 1)  # 3 blocks each (enough for 41)
+    width = (max(totals) + BLOCK - 1) // BLOCK  # a table row per sequence, past its end unused
+    tables = torch.stack([(first_block + i).clamp(max=k_pool.shape[0] - 1) for i in range(width)], 1)
     step = [t[0, :, last].transpose(0, 1)[:, :, None] for t in (q, k, v)]  # [B, heads, 1, D]
     out = torch.ops.tokenfleet.paged_decode(
-        *step, k_pool, v_pool, blocks[last], offsets[last], tables, torch.tensor(lengths) + 1, head_dim**-0.5
+        *step, k_pool, v_pool, blocks[last], offsets[last], tables, torch.tensor(totals), head_dim**-0.5
     )
     for b, n in enumerate(lengths):
         rows = slice(int(ends[b]) - n - 1, int(ends[b]))

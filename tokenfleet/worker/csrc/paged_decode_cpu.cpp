@@ -23,8 +23,13 @@
 
 #include "common.h"
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -48,6 +53,123 @@ inline void axpy(float p, const T* v, float* acc, int64_t d) {
   const int64_t n = D > 0 ? D : d;
   for (int64_t i = 0; i < n; ++i) acc[i] += p * to_float(v[i]);
 }
+
+// The bf16 paths for CPUs with AVX512-BF16 (defined below when the compiler targets one; called
+// only for bf16 and head sizes that are a multiple of 32, kBf16Vectors).
+#if defined(__AVX512BF16__)
+template <typename T, int64_t D>
+constexpr bool kBf16Vectors = std::is_same_v<T, c10::BFloat16> && D > 0 && D % 32 == 0;
+#else
+template <typename T, int64_t D>
+constexpr bool kBf16Vectors = false;
+#endif
+template <typename T, int64_t D>
+void keys_bf16(float* scores, const T* q, int64_t q_head, int64_t q_dim, int64_t heads, int64_t group, int64_t len,
+               float scale, const T* kc, const int64_t* table, int64_t block_size, int64_t block_stride, int64_t row);
+template <typename T, int64_t D>
+void values_bf16(float* acc, const float* p, int64_t heads, int64_t group, int64_t len, const T* vc,
+                 const int64_t* table, int64_t block_size, int64_t block_stride, int64_t row);
+
+#if defined(__AVX512BF16__)
+// bf16 scores with AVX512-BF16: VDPBF16PS multiplies bf16 pairs exactly and sums them in float32,
+// so a head's q . k is D / 32 instructions on the cache's own bytes (no widening), and 16 tokens'
+// sums are reduced together (reduce16) instead of one horizontal sum per token.
+
+// Asks for tokens [from, to)'s rows ahead of use (into L2): a sequence's blocks lie anywhere in
+// the pool, and the hardware prefetcher restarts at every page of them.
+template <typename T>
+void prefetch_rows(const T* cache, const int64_t* table, int64_t from, int64_t to,
+                          int64_t block_size, int64_t block_stride, int64_t row) {
+  for (int64_t t = from; t < to; ++t) {
+    const char* p = reinterpret_cast<const char*>(cache + table[t / block_size] * block_stride + (t % block_size) * row);
+    for (int64_t byte = 0; byte < row * static_cast<int64_t>(sizeof(T)); byte += 64)
+      _mm_prefetch(p + byte, _MM_HINT_T1);
+  }
+}
+
+// Lane i of the result: the sum of v[i]'s 16 lanes.
+inline __m512 reduce16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3], x = v[2i], y = v[2i+1]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j)  // per lane: partial sums of v[4j .. 4j + 3]
+    b[j] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores[h * len + t] = scale * q_h . k_t,(h / group) for every head and token of one sequence.
+template <typename T, int64_t D>
+void keys_bf16(float* scores, const T* q, int64_t q_head, int64_t q_dim, int64_t heads,
+               int64_t group, int64_t len, float scale, const T* kc, const int64_t* table, int64_t block_size,
+               int64_t block_stride, int64_t row) {
+  constexpr int64_t C = D / 32;  // 32 bf16 per register
+  std::vector<__m512bh> qb(heads * C);
+  for (int64_t h = 0; h < heads; ++h) {
+    alignas(64) T tmp[D];
+    for (int64_t d = 0; d < D; ++d) tmp[d] = q[h * q_head + d * q_dim];
+    for (int64_t c = 0; c < C; ++c) qb[h * C + c] = (__m512bh)_mm512_load_si512(tmp + 32 * c);
+  }
+  const T* rows[16];
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = t0 + i;
+      rows[i] = kc + table[t / block_size] * block_stride + (t % block_size) * row;
+    }
+    prefetch_rows(kc, table, t0 + 16, std::min<int64_t>(t0 + 32, len), block_size, block_stride, row);
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t kv_off = (h / group) * D;
+      __m512 acc[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        acc[i] = _mm512_setzero_ps();
+        if (i < n)
+          for (int64_t c = 0; c < C; ++c)
+            acc[i] = _mm512_dpbf16_ps(acc[i], qb[h * C + c], (__m512bh)_mm512_loadu_si512(rows[i] + kv_off + 32 * c));
+      }
+      const __m512 s = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(scores + h * len + t0, static_cast<__mmask16>((1u << n) - 1), s);
+    }
+  }
+}
+
+// acc[h * D ..] = sum_t p[h * len + t] * v_t,(h / group), 16 tokens at a time with each head's
+// sums in registers (widening bf16 is a shift).
+template <typename T, int64_t D>
+void values_bf16(float* acc, const float* p, int64_t heads, int64_t group, int64_t len, const T* vc,
+                 const int64_t* table, int64_t block_size, int64_t block_stride, int64_t row) {
+  constexpr int64_t C = D / 16;  // 16 floats per register
+  std::fill(acc, acc + heads * D, 0.0f);
+  const T* rows[16];
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = t0 + i;
+      rows[i] = vc + table[t / block_size] * block_stride + (t % block_size) * row;
+    }
+    prefetch_rows(vc, table, t0 + 16, std::min<int64_t>(t0 + 32, len), block_size, block_stride, row);
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t kv_off = (h / group) * D;
+      __m512 sum[C];
+      for (int64_t c = 0; c < C; ++c) sum[c] = _mm512_loadu_ps(acc + h * D + 16 * c);
+      for (int64_t i = 0; i < n; ++i) {
+        const __m512 weight = _mm512_set1_ps(p[h * len + t0 + i]);
+        for (int64_t c = 0; c < C; ++c) {
+          const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + kv_off + 16 * c));
+          const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+          sum[c] = _mm512_fmadd_ps(weight, v, sum[c]);
+        }
+      }
+      for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + h * D + 16 * c, sum[c]);
+    }
+  }
+}
+#endif
 
 template <typename T, int64_t D>
 void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -77,10 +199,15 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_
         for (int64_t d = 0; d < head_dim; ++d)
           qf[h * head_dim + d] = to_float(q[b * q_batch + h * q_head + d * q_dim]) * fscale;
 
-      for (int64_t t = 0; t < len; ++t) {  // scores[h][t] = q_h . k_t,(h / group)
-        const T* k = kc + tables[b * max_blocks + t / block_size] * block_stride + (t % block_size) * row;
-        for (int64_t h = 0; h < heads; ++h)
-          scores[h * len + t] = dot<D>(qf.data() + h * head_dim, k + (h / group) * head_dim, head_dim);
+      if constexpr (kBf16Vectors<T, D>) {
+        keys_bf16<T, D>(scores.data(), q + b * q_batch, q_head, q_dim, heads, group, len, fscale, kc,
+                        tables + b * max_blocks, block_size, block_stride, row);
+      } else {
+        for (int64_t t = 0; t < len; ++t) {  // scores[h][t] = q_h . k_t,(h / group)
+          const T* k = kc + tables[b * max_blocks + t / block_size] * block_stride + (t % block_size) * row;
+          for (int64_t h = 0; h < heads; ++h)
+            scores[h * len + t] = dot<D>(qf.data() + h * head_dim, k + (h / group) * head_dim, head_dim);
+        }
       }
       for (int64_t h = 0; h < heads; ++h) {  // softmax per head
         float* s = scores.data() + h * len;
@@ -88,11 +215,16 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_
         const float inv = 1.0f / sum;
         for (int64_t t = 0; t < len; ++t) s[t] *= inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < len; ++t) {  // acc[h] = sum_t p[h][t] * v_t,(h / group)
-        const T* v = vc + tables[b * max_blocks + t / block_size] * block_stride + (t % block_size) * row;
-        for (int64_t h = 0; h < heads; ++h)
-          axpy<D>(scores[h * len + t], v + (h / group) * head_dim, acc.data() + h * head_dim, head_dim);
+      if constexpr (kBf16Vectors<T, D>) {
+        values_bf16<T, D>(acc.data(), scores.data(), heads, group, len, vc, tables + b * max_blocks, block_size,
+                          block_stride, row);
+      } else {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t t = 0; t < len; ++t) {  // acc[h] = sum_t p[h][t] * v_t,(h / group)
+          const T* v = vc + tables[b * max_blocks + t / block_size] * block_stride + (t % block_size) * row;
+          for (int64_t h = 0; h < heads; ++h)
+            axpy<D>(scores[h * len + t], v + (h / group) * head_dim, acc.data() + h * head_dim, head_dim);
+        }
       }
       T* dst = o + b * heads * head_dim;
       for (int64_t i = 0; i < heads * head_dim; ++i) dst[i] = static_cast<T>(acc[i]);
