@@ -71,17 +71,18 @@ void values_bf16(float* acc, const float* p, int64_t heads, int64_t group, int64
                  const int64_t* table, int64_t block_size, int64_t block_stride, int64_t row);
 
 #if defined(__AVX512BF16__)
-// bf16 scores with AVX512-BF16: VDPBF16PS multiplies bf16 pairs exactly and sums them in float32,
-// so a head's q . k is D / 32 instructions on the cache's own bytes (no widening), and 16 tokens'
-// sums are reduced together (reduce16) instead of one horizontal sum per token.
+constexpr int64_t CHUNK = 16;  // tokens the bf16 paths take at a time (one register of float sums)
 
-// Asks for tokens [from, to)'s rows ahead of use (into L2): a sequence's blocks lie anywhere in
-// the pool, and the hardware prefetcher restarts at every page of them.
+// rows[i] = token t0 + i's row of one layer's pool (all KV heads), for the chunk's n tokens; and
+// the next chunk's rows asked for ahead of use (into L2): a sequence's blocks lie anywhere in the
+// pool, and the hardware prefetcher restarts at every page of them.
 template <typename T>
-void prefetch_rows(const T* cache, const int64_t* table, int64_t from, int64_t to,
-                          int64_t block_size, int64_t block_stride, int64_t row) {
-  for (int64_t t = from; t < to; ++t) {
-    const char* p = reinterpret_cast<const char*>(cache + table[t / block_size] * block_stride + (t % block_size) * row);
+void chunk_rows(const T** rows, const T* cache, const int64_t* table, int64_t t0, int64_t n, int64_t len,
+                int64_t block_size, int64_t block_stride, int64_t row) {
+  auto at = [&](int64_t t) { return cache + table[t / block_size] * block_stride + (t % block_size) * row; };
+  for (int64_t i = 0; i < n; ++i) rows[i] = at(t0 + i);
+  for (int64_t t = t0 + CHUNK; t < std::min(t0 + 2 * CHUNK, len); ++t) {
+    const char* p = reinterpret_cast<const char*>(at(t));
     for (int64_t byte = 0; byte < row * static_cast<int64_t>(sizeof(T)); byte += 64)
       _mm_prefetch(p + byte, _MM_HINT_T1);
   }
@@ -104,6 +105,9 @@ inline __m512 reduce16(const __m512* v) {
 }
 
 // scores[h * len + t] = scale * q_h . k_t,(h / group) for every head and token of one sequence.
+// VDPBF16PS multiplies bf16 pairs exactly and sums them in float32, so a head's q . k is D / 32
+// instructions on the cache's own bytes (no widening), and a chunk's 16 sums per head are reduced
+// together (reduce16) instead of one horizontal sum per token.
 template <typename T, int64_t D>
 void keys_bf16(float* scores, const T* q, int64_t q_head, int64_t q_dim, int64_t heads,
                int64_t group, int64_t len, float scale, const T* kc, const int64_t* table, int64_t block_size,
@@ -115,18 +119,14 @@ void keys_bf16(float* scores, const T* q, int64_t q_head, int64_t q_dim, int64_t
     for (int64_t d = 0; d < D; ++d) tmp[d] = q[h * q_head + d * q_dim];
     for (int64_t c = 0; c < C; ++c) qb[h * C + c] = (__m512bh)_mm512_load_si512(tmp + 32 * c);
   }
-  const T* rows[16];
-  for (int64_t t0 = 0; t0 < len; t0 += 16) {
-    const int64_t n = std::min<int64_t>(16, len - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = t0 + i;
-      rows[i] = kc + table[t / block_size] * block_stride + (t % block_size) * row;
-    }
-    prefetch_rows(kc, table, t0 + 16, std::min<int64_t>(t0 + 32, len), block_size, block_stride, row);
+  const T* rows[CHUNK];
+  for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
+    const int64_t n = std::min(CHUNK, len - t0);
+    chunk_rows(rows, kc, table, t0, n, len, block_size, block_stride, row);
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t kv_off = (h / group) * D;
-      __m512 acc[16];
-      for (int64_t i = 0; i < 16; ++i) {
+      __m512 acc[CHUNK];
+      for (int64_t i = 0; i < CHUNK; ++i) {
         acc[i] = _mm512_setzero_ps();
         if (i < n)
           for (int64_t c = 0; c < C; ++c)
@@ -138,21 +138,17 @@ void keys_bf16(float* scores, const T* q, int64_t q_head, int64_t q_dim, int64_t
   }
 }
 
-// acc[h * D ..] = sum_t p[h * len + t] * v_t,(h / group), 16 tokens at a time with each head's
+// acc[h * D ..] = sum_t p[h * len + t] * v_t,(h / group), a chunk at a time with each head's
 // sums in registers (widening bf16 is a shift).
 template <typename T, int64_t D>
 void values_bf16(float* acc, const float* p, int64_t heads, int64_t group, int64_t len, const T* vc,
                  const int64_t* table, int64_t block_size, int64_t block_stride, int64_t row) {
   constexpr int64_t C = D / 16;  // 16 floats per register
   std::fill(acc, acc + heads * D, 0.0f);
-  const T* rows[16];
-  for (int64_t t0 = 0; t0 < len; t0 += 16) {
-    const int64_t n = std::min<int64_t>(16, len - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = t0 + i;
-      rows[i] = vc + table[t / block_size] * block_stride + (t % block_size) * row;
-    }
-    prefetch_rows(vc, table, t0 + 16, std::min<int64_t>(t0 + 32, len), block_size, block_stride, row);
+  const T* rows[CHUNK];
+  for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
+    const int64_t n = std::min(CHUNK, len - t0);
+    chunk_rows(rows, vc, table, t0, n, len, block_size, block_stride, row);
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t kv_off = (h / group) * D;
       __m512 sum[C];
@@ -195,9 +191,10 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = lens[b];
       scores.resize(heads * len);
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t d = 0; d < head_dim; ++d)
-          qf[h * head_dim + d] = to_float(q[b * q_batch + h * q_head + d * q_dim]) * fscale;
+      if constexpr (!kBf16Vectors<T, D>)  // the bf16 path reads the query as it is
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t d = 0; d < head_dim; ++d)
+            qf[h * head_dim + d] = to_float(q[b * q_batch + h * q_head + d * q_dim]) * fscale;
 
       if constexpr (kBf16Vectors<T, D>) {
         keys_bf16<T, D>(scores.data(), q + b * q_batch, q_head, q_dim, heads, group, len, fscale, kc,
