@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
+from tokenfleet import protocol
 from tokenfleet.errors import ResultTimeout
 from tokenfleet.producer import AsyncClient
 from tokenfleet.producer import replies as replies_module
@@ -87,6 +88,24 @@ def test_async_events_time_out_when_nothing_comes(redis_url, prefix):
                     pass
 
     asyncio.run(go())
+
+
+def test_async_events_time_out_after_the_events_that_came(redis_url, prefix, r):
+    """A request whose worker went quiet mid-stream: its events are handed over, then the timeout."""
+    request_id = "went-quiet"
+    for index in range(2):
+        event = protocol.token_event(index, [7], "x")
+        r.xadd(Keys(prefix).reply_stream(request_id), protocol.encode_event(event))
+
+    async def go():
+        got = []
+        async with AsyncClient(redis_url, prefix=prefix) as client:
+            with pytest.raises(ResultTimeout):
+                async for event in client.events(request_id, timeout=0.5):
+                    got.append(event["index"])
+        return got
+
+    assert asyncio.run(go()) == [0, 1]
 
 
 def test_two_readers_of_one_request_on_one_client_both_get_every_event(

@@ -81,8 +81,12 @@ def next_block_ms(request_id: str, deadline: float | None, timeout: float | None
         return READ_BLOCK_MS
     left = deadline - time.monotonic()
     if left <= 0:
-        raise ResultTimeout(f"no terminal event for request {request_id} within {timeout}s")
+        raise result_timeout(request_id, timeout)
     return max(1, min(READ_BLOCK_MS, int(left * 1000)))
+
+
+def result_timeout(request_id: str, timeout: float | None) -> ResultTimeout:
+    return ResultTimeout(f"no terminal event for request {request_id} within {timeout}s")
 
 
 def queue_full_error(error: Exception) -> QueueFull | None:
