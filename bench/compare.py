@@ -68,6 +68,9 @@ ROWS = (
     "vllm-default",
     "vllm-best",
 )
+# Run only when named in --only: the worker with its Redis round trip between steps, not during
+# the next one (--no-overlap-io), to measure what the overlap buys.
+EXTRA_ROWS = ("tokenfleet-e2e-compile-serial-io",)
 
 
 # -- workload -------------------------------------------------------------------------------------
@@ -368,6 +371,7 @@ def run_e2e(
     shared_client: bool = True,
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
     device: str = "cpu",
+    overlap_io: bool = True,
 ) -> dict:
 
     from tokenfleet.embedded import EmbeddedRedis
@@ -388,6 +392,7 @@ def run_e2e(
     flags += ["--num-blocks", str(pool_blocks(reqs, max_batch_size))]
     flags += ["--max-prefill-tokens", str(max_prefill_tokens)]
     flags += ["--stream-interval-ms", str(stream_interval_ms), "--compile" if compile else "--no-compile"]
+    flags += ["--overlap-io" if overlap_io else "--no-overlap-io"]
     env = allocator_env()
     with EmbeddedRedis() as server, worker_process(server.url, prefix, model_dir, flags, env) as worker:
         counters = CpuCounters(server.url, worker.pid)
@@ -398,8 +403,10 @@ def run_e2e(
     note = f"worker process + Redis, {len(reqs)} concurrent requests {clients}, max_wait_ms {wait_ms:g}"
     note += f", stream_interval_ms {stream_interval_ms:g}, max_prefill_tokens {max_prefill_tokens}"
     note += ", --compile" if compile else ""
+    note += "" if overlap_io else ", --no-overlap-io"
     note += ", tcmalloc" if env else ""
-    row = summarize("tokenfleet-e2e" + ("-compile" if compile else ""), traces, wall, note)
+    name = "tokenfleet-e2e" + ("-compile" if compile else "") + ("" if overlap_io else "-serial-io")
+    row = summarize(name, traces, wall, note)
     return {**row, **counters.used}
 
 
@@ -654,7 +661,7 @@ def main() -> None:
         "(default: all requests through one client, which reads every reply stream in one XREAD)",
     )
     p.add_argument("--b1-requests", type=int, default=4, help="requests hf-generate-b1 runs")
-    p.add_argument("--only", help=f"comma-separated rows among {','.join(ROWS)}")
+    p.add_argument("--only", help=f"comma-separated rows among {','.join(ROWS + EXTRA_ROWS)}")
     p.add_argument(
         "--rounds",
         type=int,
@@ -733,6 +740,7 @@ def main() -> None:
         "tokenfleet-engine-compile": partial(engine, compile=True),
         "tokenfleet-e2e": e2e,
         "tokenfleet-e2e-compile": partial(e2e, compile=True),
+        "tokenfleet-e2e-compile-serial-io": partial(e2e, compile=True, overlap_io=False),
         "vllm-default": partial(vllm, best=False),
         "vllm-best": partial(vllm, best=True),
     }

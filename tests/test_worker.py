@@ -49,15 +49,17 @@ def assert_one_terminal(events):
     assert [e["index"] for e in tokens] == list(range(len(tokens))), "gaps or duplicates in token indices"
 
 
-@pytest.mark.parametrize("mode", ["dynamic", "continuous"])
+@pytest.mark.parametrize(
+    ("mode", "overlap_io"), [("dynamic", True), ("continuous", True), ("continuous", False)]
+)
 def test_concurrent_mixed_requests_over_buckets_match_generate(
-    run_worker, redis_url, prefix, r, model_path, reference, mode
+    run_worker, redis_url, prefix, r, model_path, reference, mode, overlap_io
 ):
     batching = DynamicBatchingConfig(
         max_wait_ms=30, max_batch_size=8, max_seq_len=256, buckets=(16, 32, 64), mode=mode
     )
     prompts = mixed_prompts(24, seed=1)
-    with run_worker(batching) as running:
+    with run_worker(batching, overlap_io=overlap_io) as running:
         client = Client(redis_url, model=str(model_path), prefix=prefix)
         results = {}
 
@@ -325,3 +327,65 @@ def test_a_decode_step_costs_one_redis_round_trip(engine, redis_url, prefix, mod
     per_step = (at_decode[-1] - at_decode[0]) / steps
     # one per step; the odd heartbeat or a turn that admitted new requests may add one
     assert per_step <= 1.2, f"{per_step:.2f} round trips per decode step"
+
+
+def test_replies_queued_during_a_lost_round_trip_go_after_the_ones_it_carried(redis_url, prefix, r):
+    """Events queued while a round trip is in flight wait behind what it carries; if it is lost,
+    its events are put back in front, so a request's events still land in index order."""
+    import redis
+
+    from tokenfleet.worker.streams import Outbox
+
+    outbox = Outbox(redis.Redis.from_url(redis_url), Keys(prefix))
+    outbox.event("req", protocol.token_event(0, [5], "a"), 60)
+    lost = r.pipeline(transaction=False)
+    assert outbox.queue_into(lost) > 0  # never executed: the connection "dropped"
+    outbox.event("req", protocol.token_event(1, [6], "b"))
+    assert len(outbox) == 3  # two in flight (event + expiry), one queued behind
+    outbox.restore()
+    assert outbox.flush() == []
+    assert [e["index"] for e in reply_events(r, prefix, "req")] == [0, 1]
+    assert r.ttl(Keys(prefix).reply_stream("req")) > 0
+
+
+def test_a_round_trip_lost_during_a_step_loses_no_token(
+    run_worker, redis_url, prefix, r, model_path, reference, monkeypatch, caplog
+):
+    """Connection errors on the I/O thread, while steps compute: the worker backs off and sends
+    the replies again; every request still gets each token once, in order, and one terminal."""
+    import logging
+
+    import redis
+
+    # the I/O thread's round trips fail as redis-py gives up on a lost connection: the first before
+    # anything ran, the next after Redis ran it all (the reply was lost), and so on
+    failures = {"left": 4}
+    execute = redis.client.Pipeline.execute
+
+    def flaky_execute(self, raise_on_error=True):
+        if not threading.current_thread().name.startswith("tokenfleet-io") or failures["left"] <= 0:
+            return execute(self, raise_on_error)
+        failures["left"] -= 1
+        if failures["left"] % 2:
+            self.reset()
+        else:
+            execute(self, raise_on_error)
+        raise redis.ConnectionError("injected: connection lost")
+
+    batching = DynamicBatchingConfig(
+        max_wait_ms=20, max_batch_size=8, max_seq_len=128, buckets=(64,), mode="continuous"
+    )
+    caplog.set_level(logging.WARNING, logger="tokenfleet.worker.loop")
+    # the I/O thread only runs while a batch does; entries a lost reply had read are reclaimed
+    monkeypatch.setattr(redis.client.Pipeline, "execute", flaky_execute)
+    with run_worker(batching, claim_idle_ms=500) as running:
+        client = Client(redis_url, model=str(model_path), prefix=prefix)
+        handles = [client.submit(f"prompt {i}", max_new_tokens=24, ignore_eos=True) for i in range(6)]
+        results = [h.result(timeout=120) for h in handles]
+        assert running.thread.is_alive()
+    assert failures["left"] == 0, "the injected failures were never hit"
+    assert any("redis unavailable" in rec.getMessage() for rec in caplog.records)
+    for i, (h, res) in enumerate(zip(handles, results)):
+        assert res.token_ids == reference.greedy(reference.ids(f"prompt {i}"), 24, ignore_eos=True)
+        assert_one_terminal(reply_events(r, prefix, h.id))
+    assert r.xpending(Keys(prefix).request_stream(64), GROUP)["pending"] == 0

@@ -212,6 +212,14 @@ def model_init(directory: str, size: str, seed: int) -> None:
     "start-up, before serving.",
 )
 @click.option(
+    "--overlap-io/--no-overlap-io",
+    default=True,
+    show_default=True,
+    help="While a batch runs, send each step's tokens and read new work on an I/O thread during the "
+    "next step, instead of between steps. Faster steps; new requests and cancels take effect one "
+    "step later.",
+)
+@click.option(
     "--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port (/metrics)."
 )
 @click.option("--threads", type=int, default=None, help="torch intra-op threads (CPU).")
@@ -285,6 +293,7 @@ def worker(ctx: click.Context, **_: object) -> None:
             metrics_port=o["metrics_port"],
             stream_interval_ms=o["stream_interval_ms"],
             compile=o["compile"],
+            overlap_io=o["overlap_io"],
         )
     except ValueError as e:
         _fail(str(e))

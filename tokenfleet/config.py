@@ -187,6 +187,7 @@ class WorkerConfig:
     metrics_port: int | None = None  # serve Prometheus /metrics here
     stream_interval_ms: float = 0.0  # coalesce a request's tokens into one event per interval
     compile: bool = False  # torch.compile decode and prefill (minutes of warm-up at start)
+    overlap_io: bool = True  # a busy step's Redis round trip runs during the next step
 
     def __post_init__(self) -> None:
         if self.claim_idle_ms < 100:

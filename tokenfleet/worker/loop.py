@@ -27,6 +27,7 @@ from tokenfleet.errors import ProtocolError
 from tokenfleet.protocol import ErrorCode, Keys
 from tokenfleet.worker.cancels import NOT_READ, CancelWatch
 from tokenfleet.worker.engine import Engine
+from tokenfleet.worker.exchange import Exchange, Received
 from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.recovery import Reclaimer, read_progress
 from tokenfleet.worker.scheduler import BatchEvent, Scheduler, StepOutput
@@ -82,6 +83,7 @@ class Worker:
         # one round trip per step for replies, new work and cancels; a cluster pipeline does not
         # keep order across nodes, so there replies are flushed on their own, acks after events
         self._shared_round_trip = not isinstance(self.client, RedisCluster)
+        self.exchange = Exchange(self.client, self.outbox, self.reader, self.cancels, config.overlap_io)
         self.metrics = WorkerMetrics(self.name)
         self.metrics.kv_blocks_total.set(self.engine.allocator.num_blocks)
         self._preemptions_seen = 0
@@ -166,6 +168,7 @@ class Worker:
         return bool(s.running or s.preempted or len(s.batcher) or len(self.outbox))
 
     def _teardown(self) -> None:
+        self.exchange.close()
         with contextlib.suppress(redis.RedisError):
             self.client.hdel(self.keys.workers, self.name)
         log.info(
@@ -185,6 +188,9 @@ class Worker:
             log.error("redis refused a reply write: %s", error)
 
     def _turn(self) -> None:
+        if self._overlapping():
+            self._overlapped_turn()
+            return
         t0 = time.perf_counter()
         cancels_read: object = NOT_READ
         if self.stopping:
@@ -194,19 +200,56 @@ class Worker:
         t1 = time.perf_counter()
         self._enforce_cancels_and_deadlines(cancels_read)
         t2 = time.perf_counter()
+        outputs = self._step()
+        t3 = time.perf_counter()
+        self._publish(outputs)
+        self._end_turn(outputs)
+        # where the time goes: waiting for (and reading) work, the model, other Redis round trips
+        self.time_intake_s += t1 - t0
+        self.time_step_s += t3 - t2
+        self.time_redis_s += (t2 - t1) + (time.perf_counter() - t3)
+
+    def _overlapping(self) -> bool:
+        """Whether this turn's round trip runs during its step: while a batch runs, on one
+        server (a cluster pipeline keeps no order across nodes), unless turned off."""
+        return (
+            self.config.overlap_io and self._shared_round_trip and self.scheduler.busy and not self.stopping
+        )
+
+    def _overlapped_turn(self) -> None:
+        """The last step's replies go out and new work and cancels come in while this step
+        computes; replies of this step are queued after those, and what came in is acted on after
+        the step: new work joins the next one, cancels stop their requests before it."""
+        t0 = time.perf_counter()
+        self.exchange.start(self.config.batching.max_batch_size - self.scheduler.num_waiting)
         try:
-            outputs = self.scheduler.step(flush=self.stopping)
+            outputs = self._step()
+            t1 = time.perf_counter()
+            self._publish(outputs)  # before any cancel is applied: a token never follows its done
+        finally:
+            received = self.exchange.finish()  # a connection error raises here, replies kept
+        t2 = time.perf_counter()
+        self._take(received)
+        self._enforce_cancels_and_deadlines(received.cancels)
+        self._end_turn(outputs)
+        self.time_step_s += t1 - t0
+        self.time_intake_s += t2 - t1  # the part of the round trip the step did not hide
+        self.time_redis_s += time.perf_counter() - t2
+
+    def _step(self) -> list[StepOutput]:
+        try:
+            return self.scheduler.step(flush=self.stopping)
         except Exception as e:  # a failed forward pass fails its sequences, never the worker
             log.exception("step failed; failing the %d sequences it held", len(self.scheduler.running))
             for seq in self.scheduler.drop(
                 lambda s: s in self.scheduler.running or s in self.scheduler.preempted
             ):
                 self._finish_error(seq, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
-            outputs = []
-        t3 = time.perf_counter()
-        self._publish(outputs)
+            return []
+
+    def _end_turn(self, outputs: list[StepOutput]) -> None:
         if not (self._shared_round_trip and self.scheduler.busy and not self.stopping):
-            self._flush()  # otherwise the next turn's read of new work takes them along
+            self._flush()  # otherwise the next turn's round trip takes them along
         if outputs and not self.scheduler.held():
             self._log_memory()
         self.reclaimer.touch(lambda: [seq.key for seq in self.scheduler.held()])
@@ -215,10 +258,6 @@ class Worker:
             self.reader.trim_acknowledged()
         self._heartbeat()
         self._update_gauges()
-        # where the time goes: waiting for (and reading) work, the model, other Redis round trips
-        self.time_intake_s += t1 - t0
-        self.time_step_s += t3 - t2
-        self.time_redis_s += (t2 - t1) + (time.perf_counter() - t3)
 
     def _update_gauges(self) -> None:
         s, m = self.scheduler, self.metrics
@@ -264,30 +303,24 @@ class Worker:
         shared the round trip, else ``NOT_READ``."""
         room = self.config.batching.max_batch_size - self.scheduler.num_waiting
         block = self._block_ms()
-        cancels_read: object = NOT_READ
         if block is None and self._shared_round_trip:
-            entries, cancels_read = self._exchange(room)
-        else:
-            self._flush()  # never wait for work with replies unsent
-            entries = self._read(room, block)
-        for entry in entries:
+            self.exchange.start(room, background=False)
+            received = self.exchange.finish()
+            self._take(received)
+            return received.cancels
+        self._flush()  # never wait for work with replies unsent
+        for entry in self._read(room, block):
             self._accept(entry)
         self._reclaim()
-        return cancels_read
+        return NOT_READ
 
-    def _exchange(self, room: int) -> tuple[list[Entry], object]:
-        """While a batch runs: the last step's replies out, new work and cancels in, one round
-        trip; returns the new entries and the cancels stream's reply."""
-        pipe = self.client.pipeline(transaction=False)
-        sent = self.outbox.queue_into(pipe)
-        if room > 0:
-            self.reader.queue_read(pipe, room)
-        self.cancels.queue_read(pipe)
-        replies = pipe.execute(raise_on_error=False)
-        for error in self.outbox.sent(replies[:sent]):
+    def _take(self, received: Received) -> None:
+        """Accept what an exchange read (and reclaimed work); log the replies Redis refused."""
+        for error in received.refused:
             log.error("redis refused a reply write: %s", error)
-        entries = self.reader.parse_queued(replies[sent], room) if room > 0 else []
-        return entries, replies[-1]
+        for entry in received.entries:
+            self._accept(entry)
+        self._reclaim()
 
     def _read(self, room: int, block: int | None) -> list[Entry]:
         if room <= 0:
@@ -306,6 +339,10 @@ class Worker:
     def _reclaim(self) -> None:
         room = self.config.batching.max_batch_size - self.scheduler.num_waiting
         claimed_now = self.reclaimer.claim(room)
+        # our own entries too, when they sat idle past claim_idle_ms while we held them (e.g. we
+        # could not reach Redis to touch them): those run here already
+        held = {seq.key for seq in self.scheduler.held()}
+        claimed_now = [c for c in claimed_now if (c.entry.stream, c.entry.entry_id) not in held]
         self.metrics.reclaims.inc(len(claimed_now))
         for claimed in claimed_now:
             if claimed.deliveries > self.config.max_attempts:

@@ -188,9 +188,12 @@ class Outbox:
         self.atomic = not isinstance(client, redis.RedisCluster)
         self._writes: list[tuple[str, tuple, dict]] = []
         self._acks: list[tuple[str, tuple, dict]] = []
+        # what queue_into handed to a pipeline that has not answered yet (writes, acks)
+        self._in_flight: tuple[list, list] | None = None
 
     def __len__(self) -> int:
-        return len(self._writes) + len(self._acks)
+        flying = sum(map(len, self._in_flight)) if self._in_flight else 0
+        return len(self._writes) + len(self._acks) + flying
 
     def event(self, request_id: str, event: dict, ttl_s: int | None = None) -> None:
         """Append a reply event at its fixed id (a copy already there is refused by Redis);
@@ -225,6 +228,7 @@ class Outbox:
         """Send writes, then acknowledgements, in two round trips (see :meth:`queue_into` for one).
         On a connection error what is left stays queued for a retry; commands Redis refused (e.g.
         a reply key that a client overwrote with another type) are returned, not retried."""
+        self.restore()
         errors: list[Exception] = []
         for queue in (self._writes, self._acks):
             if not queue:
@@ -240,30 +244,37 @@ class Outbox:
     def queue_into(self, pipe: redis.client.Pipeline) -> int:
         """Queue everything, writes before acknowledgements, in one MULTI/EXEC on a plain
         (non-cluster) pipeline, to share another round trip; returns how many commands, whose
-        replies go to :meth:`sent`. If the connection drops first, none of it ran."""
+        replies go to :meth:`sent`. The commands leave the queues (events added meanwhile queue
+        behind them) until :meth:`sent` confirms them or :meth:`restore` puts them back in front:
+        if the connection drops first, none of it ran."""
+        self.restore()
         if not len(self):
             return 0
+        writes, acks = self._in_flight = (self._writes, self._acks)
+        self._writes, self._acks = [], []
         if self.atomic:
             pipe.execute_command("MULTI")
-        for name, args, kwargs in self._writes + self._acks:
+        for name, args, kwargs in writes + acks:
             getattr(pipe, name)(*args, **kwargs)
         if self.atomic:
             pipe.execute_command("EXEC")
-            return len(self) + 2
-        return len(self)
+            return len(writes) + len(acks) + 2
+        return len(writes) + len(acks)
 
     def sent(self, results: list) -> list[Exception]:
-        """After :meth:`queue_into`'s pipeline ran: clear the queues, return what Redis refused.
-        A Redis user without MULTI/EXEC (ACL rules older than the transaction) turns transactions
-        off for good: if MULTI was refused the commands ran one by one anyway; if only EXEC was,
-        nothing ran and the commands go again now, plainly."""
+        """After :meth:`queue_into`'s pipeline ran: drop what it carried, return what Redis
+        refused. A Redis user without MULTI/EXEC (ACL rules older than the transaction) turns
+        transactions off for good: if MULTI was refused the commands ran one by one anyway; if only
+        EXEC was, nothing ran and the commands go again now, plainly."""
         if not self.atomic or not results:
-            self._clear()
-            return _refused(results)
+            errors = _refused(results)
+            self._in_flight = None
+            return errors
         began, *ran, ended = results
         if not isinstance(began, Exception) and not isinstance(ended, Exception):
-            self._clear()
-            return _refused(ended)
+            errors = _refused(ended)
+            self._in_flight = None
+            return errors
         log.warning(
             "redis refused MULTI/EXEC (%s): replies go in plain pipelines from now on",
             began if isinstance(began, Exception) else ended,
@@ -271,12 +282,18 @@ class Outbox:
         self.atomic = False
         if isinstance(ended, Exception) and not isinstance(began, Exception):
             return self.flush()  # nothing ran
-        self._clear()
-        return _refused(ran)
+        errors = _refused(ran)
+        self._in_flight = None
+        return errors
 
-    def _clear(self) -> None:
-        self._writes.clear()
-        self._acks.clear()
+    def restore(self) -> None:
+        """Put what a failed (or abandoned) :meth:`queue_into` carried back in front of the
+        queues, for a retry."""
+        if self._in_flight is None:
+            return
+        writes, acks = self._in_flight
+        self._writes, self._acks = writes + self._writes, acks + self._acks
+        self._in_flight = None
 
 
 def _refused(results: list) -> list[Exception]:
