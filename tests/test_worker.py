@@ -376,7 +376,8 @@ def test_a_round_trip_lost_during_a_step_loses_no_token(
         max_wait_ms=20, max_batch_size=8, max_seq_len=128, buckets=(64,), mode="continuous"
     )
     caplog.set_level(logging.WARNING, logger="tokenfleet.worker.loop")
-    # the I/O thread only runs while a batch does; entries a lost reply had read are reclaimed
+    # the I/O thread only runs while a batch does. Entries a lost reply had read are reclaimed;
+    # the worker's own running ones, idle past claim_idle_ms while it backed off, must not be
     monkeypatch.setattr(redis.client.Pipeline, "execute", flaky_execute)
     with run_worker(batching, claim_idle_ms=500) as running:
         client = Client(redis_url, model=str(model_path), prefix=prefix)
