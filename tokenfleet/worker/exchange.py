@@ -47,10 +47,6 @@ class Exchange:
         self._pending: Future | Callable[[], list] | None = None
         self._sent = self._room = 0
 
-    @property
-    def in_flight(self) -> bool:
-        return self._pending is not None
-
     def start(self, room: int, background: bool = True) -> None:
         """Queue the outbox's replies, a read of up to ``room`` new entries and one of the cancels
         stream; send them on the thread when ``background`` (and overlap is on), else at
