@@ -8,7 +8,38 @@ gather fallback reads them through a transposed view: one copy, not two).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import sys
+
 import torch
+
+HUGE_PAGE = 2 * 2**20
+MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name, use_errno=True) if name else None
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> int:
+    """Ask Linux to back a CPU tensor with 2 MiB pages (transparent huge pages, which hosts often
+    enable in ``madvise`` mode only); call it before the memory is first written. The decode
+    kernel reads each sequence's blocks from anywhere in the pool, and with 4 KiB pages many of
+    those reads begin with a TLB miss: on a Zen 4 EPYC one decode layer's attention took 7% less
+    time on huge pages. Best effort; returns the bytes advised (0 off Linux, or when refused)."""
+    libc = _libc() if sys.platform.startswith("linux") and tensor.device.type == "cpu" else None
+    if libc is None:
+        return 0
+    begin = tensor.data_ptr()
+    start = -(-begin // HUGE_PAGE) * HUGE_PAGE  # whole huge pages inside the tensor only
+    end = (begin + tensor.numel() * tensor.element_size()) // HUGE_PAGE * HUGE_PAGE
+    if end <= start or libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE):
+        return 0
+    return end - start
 
 
 class PagedKVStore:
@@ -28,8 +59,14 @@ class PagedKVStore:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.k = [self._allocate(shape, device, dtype) for _ in range(num_layers)]
+        self.v = [self._allocate(shape, device, dtype) for _ in range(num_layers)]
+
+    @staticmethod
+    def _allocate(shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.empty(shape, device=device, dtype=dtype)
+        advise_huge_pages(tensor)  # before the zeros touch it: pages are chosen at first write
+        return tensor.zero_()
 
     @staticmethod
     def bytes_per_block(
