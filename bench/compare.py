@@ -68,9 +68,9 @@ ROWS = (
     "vllm-default",
     "vllm-best",
 )
-# Run only when named in --only: the worker with its Redis round trip between steps, not during
-# the next one (--no-overlap-io), to measure what the overlap buys.
-EXTRA_ROWS = ("tokenfleet-e2e-compile-serial-io",)
+# Run only when named in --only: the worker with its Redis round trip always between steps
+# (--overlap-io off) or always during the next step (on), to measure what the overlap buys.
+EXTRA_ROWS = ("tokenfleet-e2e-compile-serial-io", "tokenfleet-e2e-compile-overlap-io")
 
 
 # -- workload -------------------------------------------------------------------------------------
@@ -371,7 +371,7 @@ def run_e2e(
     shared_client: bool = True,
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
     device: str = "cpu",
-    overlap_io: bool = True,
+    overlap_io: str = "auto",
 ) -> dict:
 
     from tokenfleet.embedded import EmbeddedRedis
@@ -392,7 +392,7 @@ def run_e2e(
     flags += ["--num-blocks", str(pool_blocks(reqs, max_batch_size))]
     flags += ["--max-prefill-tokens", str(max_prefill_tokens)]
     flags += ["--stream-interval-ms", str(stream_interval_ms), "--compile" if compile else "--no-compile"]
-    flags += ["--overlap-io" if overlap_io else "--no-overlap-io"]
+    flags += ["--overlap-io", overlap_io]
     env = allocator_env()
     with EmbeddedRedis() as server, worker_process(server.url, prefix, model_dir, flags, env) as worker:
         counters = CpuCounters(server.url, worker.pid)
@@ -403,9 +403,10 @@ def run_e2e(
     note = f"worker process + Redis, {len(reqs)} concurrent requests {clients}, max_wait_ms {wait_ms:g}"
     note += f", stream_interval_ms {stream_interval_ms:g}, max_prefill_tokens {max_prefill_tokens}"
     note += ", --compile" if compile else ""
-    note += "" if overlap_io else ", --no-overlap-io"
+    note += f", --overlap-io {overlap_io}"
     note += ", tcmalloc" if env else ""
-    name = "tokenfleet-e2e" + ("-compile" if compile else "") + ("" if overlap_io else "-serial-io")
+    suffix = {"auto": "", "off": "-serial-io", "on": "-overlap-io"}[overlap_io]
+    name = "tokenfleet-e2e" + ("-compile" if compile else "") + suffix
     row = summarize(name, traces, wall, note)
     return {**row, **counters.used}
 
@@ -740,7 +741,8 @@ def main() -> None:
         "tokenfleet-engine-compile": partial(engine, compile=True),
         "tokenfleet-e2e": e2e,
         "tokenfleet-e2e-compile": partial(e2e, compile=True),
-        "tokenfleet-e2e-compile-serial-io": partial(e2e, compile=True, overlap_io=False),
+        "tokenfleet-e2e-compile-serial-io": partial(e2e, compile=True, overlap_io="off"),
+        "tokenfleet-e2e-compile-overlap-io": partial(e2e, compile=True, overlap_io="on"),
         "vllm-default": partial(vllm, best=False),
         "vllm-best": partial(vllm, best=True),
     }

@@ -138,11 +138,13 @@ def test_profiles_config_file_env_and_flags_layer_in_order(tiny_model, tmp_path)
     assert flag["batching"]["max_prefill_tokens"] == 8192  # the offline profile, from the file
     budget = dry_run(["--config", str(toml), "--max-prefill-tokens", "512"])
     assert budget["batching"]["max_prefill_tokens"] == 512
-    assert budget["overlap_io"] is True  # the default: the round trip runs during the next step
-    toml.write_text(f'model = "{tiny_model}"\noverlap-io = false\n')
-    assert dry_run(["--config", str(toml)])["overlap_io"] is False
-    assert dry_run(["--model", tiny_model], env={"TOKENFLEET_OVERLAP_IO": "0"})["overlap_io"] is False
-    assert dry_run(["--model", tiny_model, "--no-overlap-io"])["overlap_io"] is False
+    assert budget["overlap_io"] == "auto"
+    toml.write_text(f'model = "{tiny_model}"\noverlap-io = "off"\n')
+    assert dry_run(["--config", str(toml)])["overlap_io"] == "off"
+    assert dry_run(["--model", tiny_model], env={"TOKENFLEET_OVERLAP_IO": "on"})["overlap_io"] == "on"
+    assert dry_run(["--model", tiny_model, "--overlap-io", "off"])["overlap_io"] == "off"
+    out = CliRunner().invoke(main, ["worker", "--model", tiny_model, "--overlap-io", "yes", "--dry-run"])
+    assert out.exit_code != 0 and "auto" in out.output
 
 
 def test_config_file_typos_and_missing_model_are_one_line_errors(tmp_path):

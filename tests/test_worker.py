@@ -50,7 +50,7 @@ def assert_one_terminal(events):
 
 
 @pytest.mark.parametrize(
-    ("mode", "overlap_io"), [("dynamic", True), ("continuous", True), ("continuous", False)]
+    ("mode", "overlap_io"), [("dynamic", "auto"), ("continuous", "on"), ("continuous", "off")]
 )
 def test_concurrent_mixed_requests_over_buckets_match_generate(
     run_worker, redis_url, prefix, r, model_path, reference, mode, overlap_io
@@ -379,7 +379,7 @@ def test_a_round_trip_lost_during_a_step_loses_no_token(
     # the I/O thread only runs while a batch does. Entries a lost reply had read are reclaimed;
     # the worker's own running ones, idle past claim_idle_ms while it backed off, must not be
     monkeypatch.setattr(redis.client.Pipeline, "execute", flaky_execute)
-    with run_worker(batching, claim_idle_ms=500) as running:
+    with run_worker(batching, claim_idle_ms=500, overlap_io="on") as running:
         client = Client(redis_url, model=str(model_path), prefix=prefix)
         handles = [client.submit(f"prompt {i}", max_new_tokens=24, ignore_eos=True) for i in range(6)]
         results = [h.result(timeout=120) for h in handles]

@@ -16,6 +16,7 @@ from tokenfleet.config import (
     DEFAULT_BUCKETS,
     DEFAULT_MAX_PREFILL_TOKENS,
     MODES,
+    OVERLAP_MODES,
     PADDINGS,
     PROFILES,
     DynamicBatchingConfig,
@@ -212,12 +213,13 @@ def model_init(directory: str, size: str, seed: int) -> None:
     "start-up, before serving.",
 )
 @click.option(
-    "--overlap-io/--no-overlap-io",
-    default=True,
+    "--overlap-io",
+    type=click.Choice(OVERLAP_MODES),
+    default="auto",
     show_default=True,
     help="While a batch runs, send each step's tokens and read new work on an I/O thread during the "
-    "next step, instead of between steps. Faster steps; new requests and cancels take effect one "
-    "step later.",
+    "next step, instead of between steps: shorter steps, but new requests and cancels take effect "
+    "one step later. auto: when that round trip is at least 5% of a step (fast models).",
 )
 @click.option(
     "--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port (/metrics)."

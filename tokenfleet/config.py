@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 MODES = ("static", "dynamic", "continuous")
 PADDINGS = ("bucket", "max")
+OVERLAP_MODES = ("auto", "on", "off")
 DEFAULT_BUCKETS = (128, 256, 512)
 DEFAULT_MAX_PREFILL_TOKENS = 2048  # prompt tokens one continuous-mode prefill step may take
 DEFAULT_PREFIX = "tokenfleet"
@@ -187,7 +188,7 @@ class WorkerConfig:
     metrics_port: int | None = None  # serve Prometheus /metrics here
     stream_interval_ms: float = 0.0  # coalesce a request's tokens into one event per interval
     compile: bool = False  # torch.compile decode and prefill (minutes of warm-up at start)
-    overlap_io: bool = True  # a busy step's Redis round trip runs during the next step
+    overlap_io: str = "auto"  # a busy step's Redis round trip during the next step: auto|on|off
 
     def __post_init__(self) -> None:
         if self.claim_idle_ms < 100:
@@ -200,6 +201,8 @@ class WorkerConfig:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.overlap_io not in OVERLAP_MODES:
+            raise ValueError(f"overlap_io must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap_io!r}")
         if self.stream_interval_ms < 0:
             raise ValueError(f"stream_interval_ms must be >= 0, got {self.stream_interval_ms!r}")
         if self.max_new_tokens_cap < 1:

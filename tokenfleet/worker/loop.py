@@ -42,6 +42,10 @@ HEARTBEAT_S = 2.0
 TRIM_EVERY_S = 5.0
 FLEET_BUCKETS_TTL_S = 10.0
 BACKOFF_START_S, BACKOFF_MAX_S = 0.1, 60.0
+# overlap_io auto: run the round trip during the next step when it costs at least this share of
+# a step; below that, hiding it is not worth making new work and cancels wait one more step
+OVERLAP_MIN_SHARE = 0.05
+EMA = 0.2  # weight of the newest sample in the step and round-trip averages
 
 
 def connect(url: str) -> redis.Redis:
@@ -83,7 +87,12 @@ class Worker:
         # one round trip per step for replies, new work and cancels; a cluster pipeline does not
         # keep order across nodes, so there replies are flushed on their own, acks after events
         self._shared_round_trip = not isinstance(self.client, RedisCluster)
-        self.exchange = Exchange(self.client, self.outbox, self.reader, self.cancels, config.overlap_io)
+        self.exchange = Exchange(
+            self.client, self.outbox, self.reader, self.cancels, overlap=config.overlap_io != "off"
+        )
+        self._decode_step_s = self._round_trip_s = 0.0  # moving averages, for overlap_io auto
+        self._prefilled = False  # whether the current step ran a prefill
+        self._overlap_pays = False  # overlap_io auto's last choice, logged when it changes
         self.metrics = WorkerMetrics(self.name)
         self.metrics.kv_blocks_total.set(self.engine.allocator.num_blocks)
         self._preemptions_seen = 0
@@ -211,10 +220,23 @@ class Worker:
 
     def _overlapping(self) -> bool:
         """Whether this turn's round trip runs during its step: while a batch runs, on one
-        server (a cluster pipeline keeps no order across nodes), unless turned off."""
-        return (
-            self.config.overlap_io and self._shared_round_trip and self.scheduler.busy and not self.stopping
-        )
+        server (a cluster pipeline keeps no order across nodes); with ``auto`` when the round
+        trip, as last measured between steps, is a large enough share of a step."""
+        mode = self.config.overlap_io
+        if mode == "off" or not (self._shared_round_trip and self.scheduler.busy and not self.stopping):
+            return False
+        if mode == "on":
+            return True
+        pays = self._round_trip_s >= OVERLAP_MIN_SHARE * self._decode_step_s > 0
+        if pays != self._overlap_pays:
+            self._overlap_pays = pays
+            log.info(
+                "Redis round trip %.2f ms against a %.2f ms decode step: %s",
+                self._round_trip_s * 1000,
+                self._decode_step_s * 1000,
+                "overlapping it with the next step" if pays else "running it between steps",
+            )
+        return pays
 
     def _overlapped_turn(self) -> None:
         """The last step's replies go out and new work and cancels come in while this step
@@ -237,8 +259,10 @@ class Worker:
         self.time_redis_s += time.perf_counter() - t2
 
     def _step(self) -> list[StepOutput]:
+        self._prefilled = False
+        began = time.perf_counter()
         try:
-            return self.scheduler.step(flush=self.stopping)
+            outputs = self.scheduler.step(flush=self.stopping)
         except Exception as e:  # a failed forward pass fails its sequences, never the worker
             log.exception("step failed; failing the %d sequences it held", len(self.scheduler.running))
             for seq in self.scheduler.drop(
@@ -246,6 +270,9 @@ class Worker:
             ):
                 self._finish_error(seq, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
             return []
+        if outputs and not self._prefilled:  # a prefill's length says nothing of the next steps
+            self._decode_step_s = _average(self._decode_step_s, time.perf_counter() - began)
+        return outputs
 
     def _end_turn(self, outputs: list[StepOutput]) -> None:
         if not (self._shared_round_trip and self.scheduler.busy and not self.stopping):
@@ -304,8 +331,10 @@ class Worker:
         room = self.config.batching.max_batch_size - self.scheduler.num_waiting
         block = self._block_ms()
         if block is None and self._shared_round_trip:
+            began = time.perf_counter()
             self.exchange.start(room, background=False)
             received = self.exchange.finish()
+            self._round_trip_s = _average(self._round_trip_s, time.perf_counter() - began)
             self._take(received)
             return received.cancels
         self._flush()  # never wait for work with replies unsent
@@ -582,6 +611,7 @@ class Worker:
         if event.kind == "decode":
             self.metrics.decode_batch.observe(event.size)
         if event.kind == "prefill":
+            self._prefilled = True
             self.metrics.prefill_batch.observe(event.size)
             self.metrics.padding_waste.observe(event.padding_waste)
             log.info(
@@ -621,3 +651,8 @@ class Worker:
                 }
             ),
         )
+
+
+def _average(mean: float, sample: float) -> float:
+    """An exponential moving average; the first sample starts it."""
+    return sample if mean == 0.0 else (1 - EMA) * mean + EMA * sample
