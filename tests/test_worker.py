@@ -390,3 +390,37 @@ def test_a_round_trip_lost_during_a_step_loses_no_token(
         assert res.token_ids == reference.greedy(reference.ids(f"prompt {i}"), 24, ignore_eos=True)
         assert_one_terminal(reply_events(r, prefix, h.id))
     assert r.xpending(Keys(prefix).request_stream(64), GROUP)["pending"] == 0
+
+
+def test_one_script_call_publishes_a_step_and_survives_a_lost_script_and_a_resend(prefix, tmp_path):
+    """A step's events, expiry and acknowledgement go in one call of the publish script. If Redis
+    lost its scripts (a restart) the call is refused whole and sent again once loaded; sending a
+    step twice (a retry after a lost reply) stores each event once and reports nothing."""
+    import redis
+
+    from tokenfleet.embedded import EmbeddedRedis
+    from tokenfleet.worker.streams import Outbox
+
+    keys = Keys(prefix)
+    with EmbeddedRedis(data_dir=str(tmp_path)) as server:
+        r = redis.Redis.from_url(server.url)
+        r.xgroup_create(keys.request_stream(16), GROUP, id="0", mkstream=True)
+        entry_id = r.xadd(keys.request_stream(16), {b"m": b"x"}).decode()
+        r.xreadgroup(GROUP, "w", {keys.request_stream(16): ">"})
+        outbox = Outbox(r, keys)
+
+        def queue_step():
+            outbox.event("req", protocol.token_event(0, [5], "a"), 60)
+            outbox.event("req", protocol.done_event("length", 1, 1, {}, 1), 60)
+            outbox.ack(keys.request_stream(16), entry_id)
+
+        queue_step()
+        pipe = r.pipeline(transaction=False)
+        assert outbox.queue_into(pipe) == 1  # one command for all five
+        r.script_flush()
+        assert outbox.sent(pipe.execute(raise_on_error=False)) == []
+        queue_step()
+        assert outbox.flush() == []  # the copies are refused at their ids, and not reported
+        assert [e["type"] for e in reply_events(r, prefix, "req")] == ["token", "done"]
+        assert 0 < r.ttl(keys.reply_stream("req")) <= 60
+        assert r.xpending(keys.request_stream(16), GROUP)["pending"] == 0

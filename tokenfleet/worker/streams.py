@@ -39,6 +39,25 @@ return out
 """
 
 
+# One step's writes in one atomic call: KEYS[k] is the key of the k-th command, and ARGV holds,
+# for each in turn, its name, its argument count and its arguments. Every command runs (pcall);
+# the errors come back as {k, message, ...}, e.g. a copy of an event refused at its fixed id.
+_PUBLISH = """
+local errors = {}
+local a = 1
+for k = 1, #KEYS do
+  local n = tonumber(ARGV[a + 1])
+  local reply = redis.pcall(ARGV[a], KEYS[k], unpack(ARGV, a + 2, a + 1 + n))
+  if type(reply) == 'table' and reply.err then
+    errors[#errors + 1] = k
+    errors[#errors + 1] = reply.err
+  end
+  a = a + 2 + n
+end
+return errors
+"""
+
+
 # Drops the entries every consumer of the group has acknowledged, and nothing else: those older
 # than the oldest pending entry, or, with nothing pending, all up to the last delivered one.
 _TRIM_ACKED = """
@@ -170,22 +189,23 @@ class StreamReader:
 
 
 class Outbox:
-    """What one step writes, sent in (at most) two pipelined round trips.
+    """What one step writes, sent in one round trip (or two, on a cluster).
 
     Replies and dead letters go first; acknowledgements only after them, so a request is never
-    acknowledged without its terminal event. On one server, the writes of a busy step (those that
-    share the turn's round trip, :meth:`queue_into`) run as one MULTI/EXEC: Redis wakes a client
-    blocked on many reply streams once, after the last of them, not once per event it was
-    waiting on (a client following 32 requests read 6-7 times a step). Across Redis Cluster
-    slots there are no transactions: plain pipelines. Retrying after a lost
-    connection is safe because reply events sit at fixed ids (a copy is refused) and XACK is
-    idempotent.
+    acknowledged without its terminal event. On one server all of it runs as one call of a small
+    script: atomically, so Redis wakes a client blocked on many reply streams once, after the last
+    of them, not once per event it was waiting on (a client following 32 requests read 6-7 times
+    a step); and as one command, whose packing and reply cost the worker a fraction of a command
+    per event. Across Redis Cluster slots a script cannot run: plain pipelines, writes then
+    acknowledgements. Retrying after a lost connection is safe because reply events sit at fixed
+    ids (a copy is refused) and XACK is idempotent.
     """
 
     def __init__(self, client: redis.Redis, keys: Keys):
         self.client = client
         self.keys = keys
         self.atomic = not isinstance(client, redis.RedisCluster)
+        self._publish = client.register_script(_PUBLISH) if self.atomic else None
         self._writes: list[tuple[str, tuple, dict]] = []
         self._acks: list[tuple[str, tuple, dict]] = []
         # what queue_into handed to a pipeline that has not answered yet (writes, acks)
@@ -225,10 +245,20 @@ class Outbox:
         self.ack(entry.stream, entry.entry_id)
 
     def flush(self) -> list[Exception]:
-        """Send writes, then acknowledgements, in two round trips (see :meth:`queue_into` for one).
-        On a connection error what is left stays queued for a retry; commands Redis refused (e.g.
-        a reply key that a client overwrote with another type) are returned, not retried."""
+        """Send everything now (see :meth:`queue_into` to share another round trip). On a
+        connection error what is left stays queued for a retry; commands Redis refused (e.g. a
+        reply key that a client overwrote with another type) are returned, not retried."""
         self.restore()
+        if not len(self):
+            return []
+        if self.atomic:
+            try:  # redis-py's Script loads the script if Redis lost it (a restart)
+                reply = self._publish(*_script_form(self._writes + self._acks))
+            except redis.ResponseError as e:
+                self._without_scripts(e)
+            else:
+                self._writes, self._acks = [], []
+                return _refused(_script_errors(reply))
         errors: list[Exception] = []
         for queue in (self._writes, self._acks):
             if not queue:
@@ -242,47 +272,37 @@ class Outbox:
         return errors
 
     def queue_into(self, pipe: redis.client.Pipeline) -> int:
-        """Queue everything, writes before acknowledgements, in one MULTI/EXEC on a plain
-        (non-cluster) pipeline, to share another round trip; returns how many commands, whose
-        replies go to :meth:`sent`. The commands leave the queues (events added meanwhile queue
-        behind them) until :meth:`sent` confirms them or :meth:`restore` puts them back in front:
-        if the connection drops first, none of it ran."""
+        """Queue everything on ``pipe``, writes before acknowledgements (one script call on one
+        server), to share another round trip; returns how many replies that adds, which go to
+        :meth:`sent`. The commands leave the queues (events added meanwhile queue behind them)
+        until :meth:`sent` confirms them or :meth:`restore` puts them back in front: if the
+        connection drops first, none of it ran."""
         self.restore()
         if not len(self):
             return 0
         writes, acks = self._in_flight = (self._writes, self._acks)
         self._writes, self._acks = [], []
         if self.atomic:
-            pipe.execute_command("MULTI")
+            keys, args = _script_form(writes + acks)
+            pipe.evalsha(self._publish.sha, len(keys), *keys, *args)
+            return 1
         for name, args, kwargs in writes + acks:
             getattr(pipe, name)(*args, **kwargs)
-        if self.atomic:
-            pipe.execute_command("EXEC")
-            return len(writes) + len(acks) + 2
         return len(writes) + len(acks)
 
     def sent(self, results: list) -> list[Exception]:
         """After :meth:`queue_into`'s pipeline ran: drop what it carried, return what Redis
-        refused. A Redis user without MULTI/EXEC (ACL rules older than the transaction) turns
-        transactions off for good: if MULTI was refused the commands ran one by one anyway; if only
-        EXEC was, nothing ran and the commands go again now, plainly."""
-        if not self.atomic or not results:
+        refused. If Redis had lost the script (a restart) or refuses scripts, nothing ran: it goes
+        again now, by :meth:`flush`."""
+        if self.atomic and results:
+            reply = results[0]
+            if isinstance(reply, redis.ResponseError):  # nothing ran
+                if not isinstance(reply, redis.exceptions.NoScriptError):
+                    self._without_scripts(reply)
+                return self.flush()
+            errors = _refused([reply] if isinstance(reply, Exception) else _script_errors(reply))
+        else:
             errors = _refused(results)
-            self._in_flight = None
-            return errors
-        began, *ran, ended = results
-        if not isinstance(began, Exception) and not isinstance(ended, Exception):
-            errors = _refused(ended)
-            self._in_flight = None
-            return errors
-        log.warning(
-            "redis refused MULTI/EXEC (%s): replies go in plain pipelines from now on",
-            began if isinstance(began, Exception) else ended,
-        )
-        self.atomic = False
-        if isinstance(ended, Exception) and not isinstance(began, Exception):
-            return self.flush()  # nothing ran
-        errors = _refused(ran)
         self._in_flight = None
         return errors
 
@@ -294,6 +314,37 @@ class Outbox:
         writes, acks = self._in_flight
         self._writes, self._acks = writes + self._writes, acks + self._acks
         self._in_flight = None
+
+    def _without_scripts(self, error: Exception) -> None:
+        """A Redis user not allowed scripts (ACL rules written for an older worker): plain
+        pipelines from now on, writes before acknowledgements, not atomic."""
+        log.warning("redis refused the publish script (%s): replies go in plain pipelines from now on", error)
+        self.atomic = False
+
+
+def _script_form(commands: list[tuple[str, tuple, dict]]) -> tuple[list, list]:
+    """KEYS and ARGV of :data:`_PUBLISH` for the outbox's commands (XADD, EXPIRE, XACK)."""
+    keys: list = []
+    args: list = []
+    for name, cargs, kwargs in commands:
+        if name == "xadd":
+            key, fields = cargs
+            rest = [kwargs.get("id", "*")]
+            for field, value in fields.items():
+                rest += [field, value]
+        else:  # EXPIRE key seconds, XACK stream group id
+            key, *rest = cargs
+        keys.append(key)
+        args += [name, len(rest), *rest]
+    return keys, args
+
+
+def _script_errors(reply: list) -> list[Exception]:
+    """The commands :data:`_PUBLISH` reported refused, as the errors a pipeline would return."""
+    return [
+        redis.ResponseError(message.decode() if isinstance(message, bytes) else str(message))
+        for message in reply[1::2]
+    ]
 
 
 def _refused(results: list) -> list[Exception]:
