@@ -186,26 +186,3 @@ def test_operations_doc_shows_the_rules_the_code_applies():
     doc = (Path(__file__).parent.parent / "docs" / "OPERATIONS.md").read_text()
     for args in acl_rules("tokenfleet", "P", "W"):
         assert "ACL SETUSER " + " ".join(shlex.quote(a) for a in args) in doc
-
-
-def test_a_worker_user_without_multi_exec_still_delivers_every_reply(
-    acl_server, engine, prefix, model_path, reference
-):
-    """Rules printed before the worker used transactions lack MULTI/EXEC: the worker falls back to
-    plain pipelines instead of losing replies."""
-    from conftest import RunningWorker
-
-    server, admin = acl_server
-    rules = next(args for args in acl_rules(prefix, "p", "old-secret") if args[0] == "tokenfleet-worker")
-    old_rules = [a for a in rules if a not in ("+multi", "+exec", "+discard")]
-    admin.execute_command("ACL", "SETUSER", "old-worker", *old_rules[1:])
-    worker_url = url_as(server, "old-worker", "old-secret")
-    with RunningWorker(engine, worker_url, prefix, BATCHING):
-        client = Client(
-            url_as(server, "tokenfleet-producer", "prod-secret"), model=str(model_path), prefix=prefix
-        )
-        handles = [client.submit(p, max_new_tokens=6, ignore_eos=True) for p in ("one", "two", "three")]
-        for prompt, handle in zip(("one", "two", "three"), handles):
-            assert handle.result(timeout=60).token_ids == reference.greedy(
-                reference.ids(prompt), 6, ignore_eos=True
-            )

@@ -57,9 +57,6 @@ WORKER_COMMANDS = (
         "+exists",
         "+xread",
         "+xrevrange",
-        "+multi",
-        "+exec",
-        "+discard",  # a step's replies in one transaction
     ]
 )
 

@@ -1,8 +1,8 @@
 """A busy worker's one round trip per step, optionally overlapped with the next step.
 
 While a batch runs, each turn sends the last step's replies and reads new work and cancels in one
-pipelined round trip. Run between steps, that round trip adds to every step: Redis executing two
-commands per token event and waking the clients, the bytes both ways, the parse. On a tiny model
+pipelined round trip. Run between steps, that round trip adds to every step: Redis writing the
+events and waking the clients, the bytes both ways, the parse. On a tiny model
 it was ~2 ms of a ~5 ms step. Overlapped, it runs on an I/O thread while the next step computes
 (the model's kernels release the GIL), and a step costs the longer of the two, not their sum. The
 price: work and cancels read during a step are acted on after it, one step later than otherwise.

@@ -316,8 +316,8 @@ class Outbox:
         self._in_flight = None
 
     def _without_scripts(self, error: Exception) -> None:
-        """A Redis user not allowed scripts (ACL rules written for an older worker): plain
-        pipelines from now on, writes before acknowledgements, not atomic."""
+        """A server or user that refuses the script: plain pipelines from now on, writes before
+        acknowledgements, not atomic."""
         log.warning("redis refused the publish script (%s): replies go in plain pipelines from now on", error)
         self.atomic = False
 
