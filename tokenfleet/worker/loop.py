@@ -368,10 +368,11 @@ class Worker:
     def _reclaim(self) -> None:
         room = self.config.batching.max_batch_size - self.scheduler.num_waiting
         claimed_now = self.reclaimer.claim(room)
-        # our own entries too, when they sat idle past claim_idle_ms while we held them (e.g. we
-        # could not reach Redis to touch them): those run here already
-        held = {seq.key for seq in self.scheduler.held()}
-        claimed_now = [c for c in claimed_now if (c.entry.stream, c.entry.entry_id) not in held]
+        if claimed_now:
+            # our own entries too, when they sat idle past claim_idle_ms while we held them (e.g.
+            # we could not reach Redis to touch them): those run here already
+            held = {seq.key for seq in self.scheduler.held()}
+            claimed_now = [c for c in claimed_now if (c.entry.stream, c.entry.entry_id) not in held]
         self.metrics.reclaims.inc(len(claimed_now))
         for claimed in claimed_now:
             if claimed.deliveries > self.config.max_attempts:
