@@ -53,9 +53,15 @@ def packed_prompts(lengths, heads, kv_heads, head_dim, dtype, seed=0):
         ([300, 7], 8, 8, 128, torch.bfloat16),
         ([33, 2], 4, 1, 80, torch.float32),
         ([1], 2, 2, 16, torch.bfloat16),
+        # the AMX tile path's blocks: 32 query rows, 64 keys; prompts on both sides of them
+        ([65, 64, 31, 97, 2], 8, 2, 64, torch.bfloat16),
     ],
 )
-def test_prefill_operator_equals_sdpa_per_prompt(lengths, heads, kv_heads, head_dim, dtype):
+@pytest.mark.parametrize("tiles", ["1", "0"])  # bf16 on AMX: tile path and register-blocked path
+def test_prefill_operator_equals_sdpa_per_prompt(
+    lengths, heads, kv_heads, head_dim, dtype, tiles, monkeypatch
+):
+    monkeypatch.setenv("TOKENFLEET_PREFILL_TILES", tiles)
     q, k, v, k_pool, v_pool, blocks, offsets = packed_prompts(lengths, heads, kv_heads, head_dim, dtype)
     starts = torch.cumsum(torch.tensor([0, *lengths]), 0)
     out = torch.ops.tokenfleet.paged_prefill(q, k, v, k_pool, v_pool, blocks, offsets, starts, head_dim**-0.5)
