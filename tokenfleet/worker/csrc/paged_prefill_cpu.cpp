@@ -246,9 +246,9 @@ struct Task {
 // Where the CPU has AMX (cpublas::could_pack), the two matmuls run as tile multiplies: a block of
 // QR query rows against KT keys at a time, with the softmax carried across key tiles (running
 // max and sum, as flash attention does). Every brgemm call has the same shapes and strides, so
-// oneDNN generates two kernels per head size, not one per prompt length. The register-blocked
-// path above ran at ~90 GFLOP/s on 128-token prompts; the tile path runs the matmuls at AMX speed
-// and is left with the softmax and the packing.
+// oneDNN generates two kernels per head size, not one per prompt length. On a 2-vCPU AMX Xeon,
+// 12 heads of 64: 3.7 against 5.9 ms a layer for 16 prompts of 128 tokens, 8.4 against 14.6 ms
+// for 4 of 512; the AMX matmuls are a fifth of that, the softmax and the packing the rest.
 constexpr int64_t QR = 32;  // query rows per block
 constexpr int64_t KT = 64;  // keys per tile
 
