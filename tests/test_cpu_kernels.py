@@ -54,7 +54,7 @@ def packed_prompts(lengths, heads, kv_heads, head_dim, dtype, seed=0):
         ([33, 2], 4, 1, 80, torch.float32),
         ([1], 2, 2, 16, torch.bfloat16),
         # the AMX tile path's blocks: 32 query rows, 64 keys; prompts on both sides of them
-        ([65, 64, 31, 97, 2], 8, 2, 64, torch.bfloat16),
+        ([65, 64, 31, 97, 2, 1], 8, 2, 64, torch.bfloat16),
     ],
 )
 @pytest.mark.parametrize("tiles", ["1", "0"])  # bf16 on AMX: tile path and register-blocked path

@@ -2,7 +2,7 @@
 // to its own earlier tokens, with no padding to the batch's longest prompt, no [L, L] mask, and no
 // scores computed above the diagonal. SDPA on the same work pads, masks and runs at ~100 GFLOP/s;
 // this runs register-blocked dot products (AVX512-BF16 pairs on bf16 where the CPU has them,
-// float32 FMAs otherwise) and skips the upper triangle.
+// float32 FMAs otherwise), or on AMX CPUs in bf16 tile multiplies, and skips the upper triangle.
 //
 // Registered as tokenfleet::paged_prefill, which also writes the prompts' K/V into the pool.
 //
@@ -381,15 +381,16 @@ void attend_tiles(const at::Tensor& out, const at::Tensor& query, const at::Tens
     at::native::cpublas::brgemm_release();
   });
 }
-// The tile path: bf16 on a CPU with AMX, head sizes brgemm takes in pairs of pairs.
-// TOKENFLEET_PREFILL_TILES=0 (read at every call: tests compare the paths) keeps the one above.
+
+// The tile path: bf16 on a CPU with AMX, head sizes a multiple of 32 (the value packing's
+// register). TOKENFLEET_PREFILL_TILES=0 (read at every call: tests compare the paths) keeps the
+// register-blocked one.
 bool use_tiles(int64_t head_dim) {
   static const bool amx = at::native::cpublas::could_pack(at::kBFloat16);
   const char* flag = std::getenv("TOKENFLEET_PREFILL_TILES");
   return amx && head_dim % 32 == 0 && !(flag && std::string(flag) == "0");
 }
 #endif  // __AVX512BF16__
-
 
 // Causal attention of every task's rows, with the arithmetic of Path.
 template <typename T, typename Path>
@@ -441,7 +442,6 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
     }
   });
 }
-
 
 }  // namespace
 
