@@ -241,6 +241,20 @@ struct Task {
   int64_t row0, row1;  // the prompt's query rows this task computes
 };
 
+// The operator's tensors as pointers, and the sizes both attention paths work with.
+template <typename T>
+struct Operands {
+  int64_t heads, group, d_len;
+  const T *q, *k, *v;
+  T* out;
+  float scale;
+  Operands(const at::Tensor& output, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+           double softmax_scale)
+      : heads(query.size(1)), group(query.size(1) / key.size(1)), d_len(query.size(3)),
+        q(query.data_ptr<T>()), k(key.data_ptr<T>()), v(value.data_ptr<T>()), out(output.data_ptr<T>()),
+        scale(static_cast<float>(softmax_scale)) {}
+};
+
 #ifdef __AVX512BF16__
 // --- bf16 on AMX: tiles of queries and keys through oneDNN's brgemm ------------------------------
 // Where the CPU has AMX (cpublas::could_pack), the two matmuls run as tile multiplies: a block of
@@ -351,13 +365,8 @@ inline void attend_block(const c10::BFloat16* q, int64_t first_row, int64_t rows
 void attend_tiles(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                   const std::vector<Task>& tasks, double scale) {
   using T = c10::BFloat16;
-  const int64_t heads = query.size(1), kv_heads = key.size(1), d_len = query.size(3);
-  const int64_t group = heads / kv_heads;
-  const T* qp = query.data_ptr<T>();
-  const T* kp = key.data_ptr<T>();
-  const T* vp = value.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
+  const Operands<T> x(out, query, key, value, scale);
+  const int64_t heads = x.heads, group = x.group, d_len = x.d_len;
   const int64_t q_tok = query.stride(2);
 
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
@@ -365,16 +374,16 @@ void attend_tiles(const at::Tensor& out, const at::Tensor& query, const at::Tens
     std::vector<float> s(QR * KT), o(QR * d_len);
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = tasks[i];
-      pack_tiles(kt, vt, kp + task.kv_head * key.stride(1) + task.start * key.stride(2), key.stride(2),
-                 vp + task.kv_head * value.stride(1) + task.start * value.stride(2), value.stride(2), task.row1, d_len);
+      pack_tiles(kt, vt, x.k + task.kv_head * key.stride(1) + task.start * key.stride(2), key.stride(2),
+                 x.v + task.kv_head * value.stride(1) + task.start * value.stride(2), value.stride(2), task.row1, d_len);
       for (int64_t h = task.kv_head * group; h < (task.kv_head + 1) * group; ++h) {
-        const T* qh = qp + h * query.stride(1) + task.start * q_tok;
+        const T* qh = x.q + h * query.stride(1) + task.start * q_tok;
         for (int64_t r0 = task.row0; r0 < task.row1; r0 += QR) {
           const int64_t rows = std::min(QR, task.row1 - r0);
           for (int64_t r = 0; r < QR; ++r)
             std::memcpy(q.data() + r * d_len, qh + (r0 + std::min(r, rows - 1)) * q_tok, d_len * sizeof(T));
-          attend_block(q.data(), r0, rows, d_len, fscale, kt.data(), vt.data(), s.data(), p.data(), o.data(),
-                       op + ((task.start + r0) * heads + h) * d_len, heads * d_len);
+          attend_block(q.data(), r0, rows, d_len, x.scale, kt.data(), vt.data(), s.data(), p.data(), o.data(),
+                       x.out + ((task.start + r0) * heads + h) * d_len, heads * d_len);
         }
       }
     }
@@ -396,13 +405,8 @@ bool use_tiles(int64_t head_dim) {
 template <typename T, typename Path>
 void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
             const std::vector<Task>& tasks, double scale) {
-  const int64_t heads = query.size(1), kv_heads = key.size(1), d_len = query.size(3);
-  const int64_t group = heads / kv_heads;
-  const T* qp = query.data_ptr<T>();
-  const T* kp = key.data_ptr<T>();
-  const T* vp = value.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
+  const Operands<T> x(out, query, key, value, scale);
+  const int64_t heads = x.heads, group = x.group, d_len = x.d_len;
 
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     Path path(d_len);
@@ -411,20 +415,20 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
       const Task& task = tasks[i];
       const int64_t n = task.row1;  // keys this task needs: the prompt's first row1 tokens
       const int64_t ld = (n + ROWS + 2 * W - 1) / (2 * W) * (2 * W);  // room for the last block's overhang
-      path.load_keys_values(kp + task.kv_head * key.stride(1) + task.start * key.stride(2), key.stride(2),
-                            key.stride(3), vp + task.kv_head * value.stride(1) + task.start * value.stride(2),
+      path.load_keys_values(x.k + task.kv_head * key.stride(1) + task.start * key.stride(2), key.stride(2),
+                            key.stride(3), x.v + task.kv_head * value.stride(1) + task.start * value.stride(2),
                             value.stride(2), value.stride(3), n, ld);
       s.assign(ROWS * ld, 0.0f);
       for (int64_t h = task.kv_head * group; h < (task.kv_head + 1) * group; ++h) {
         for (int64_t r0 = task.row0; r0 < task.row1; r0 += ROWS) {
           const int64_t rows = std::min(ROWS, task.row1 - r0);
-          const T* next = qp + h * query.stride(1) + (task.start + std::min(r0 + ROWS, n - 1)) * query.stride(2);
+          const T* next = x.q + h * query.stride(1) + (task.start + std::min(r0 + ROWS, n - 1)) * query.stride(2);
           for (int64_t r = 0; r < ROWS; ++r) prefetch_row(next + r * query.stride(2), d_len * query.stride(3));
           for (int64_t r = 0; r < ROWS; ++r)  // rows past the task's end repeat its last row, unused
-            path.load_query(r, qp + h * query.stride(1) + (task.start + r0 + std::min(r, rows - 1)) * query.stride(2),
+            path.load_query(r, x.q + h * query.stride(1) + (task.start + r0 + std::min(r, rows - 1)) * query.stride(2),
                             query.stride(3));
           const int64_t width = (r0 + ROWS + W - 1) / W * W;  // keys up to the block's last row
-          path.scores(width, s.data(), fscale);
+          path.scores(width, s.data(), x.scale);
           float inv[ROWS];
           for (int64_t r = 0; r < ROWS; ++r) {  // causal softmax of row r0 + r: keys 0 .. r0 + r
             float* row = s.data() + r * ld;
@@ -434,7 +438,7 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
           }
           path.values(s.data(), std::min(r0 + ROWS, ld), o.data());
           for (int64_t r = 0; r < rows; ++r) {
-            T* dst = op + ((task.start + r0 + r) * heads + h) * d_len;
+            T* dst = x.out + ((task.start + r0 + r) * heads + h) * d_len;
             for (int64_t d = 0; d < d_len; ++d) dst[d] = static_cast<T>(o[r * d_len + d] * inv[r]);
           }
         }
