@@ -73,19 +73,24 @@ void values_bf16(float* acc, const float* p, int64_t heads, int64_t group, int64
 #if defined(__AVX512BF16__)
 constexpr int64_t CHUNK = 16;  // tokens the bf16 paths take at a time (one register of float sums)
 
-// rows[i] = token t0 + i's row of one layer's pool (all KV heads), for the chunk's n tokens; and
-// the next chunk's rows asked for ahead of use (into L2): a sequence's blocks lie anywhere in the
-// pool, and the hardware prefetcher restarts at every page of them.
+// rows[i] = token t0 + i's row of one layer's pool (all KV heads) for the chunk's n tokens, and
+// ahead[i] the row of token t0 + CHUNK + i (the next chunk's; the last row again past the end).
 template <typename T>
-void chunk_rows(const T** rows, const T* cache, const int64_t* table, int64_t t0, int64_t n, int64_t len,
-                int64_t block_size, int64_t block_stride, int64_t row) {
+void chunk_rows(const T** rows, const T** ahead, const T* cache, const int64_t* table, int64_t t0, int64_t n,
+                int64_t len, int64_t block_size, int64_t block_stride, int64_t row) {
   auto at = [&](int64_t t) { return cache + table[t / block_size] * block_stride + (t % block_size) * row; };
   for (int64_t i = 0; i < n; ++i) rows[i] = at(t0 + i);
-  for (int64_t t = t0 + CHUNK; t < std::min(t0 + 2 * CHUNK, len); ++t) {
-    const char* p = reinterpret_cast<const char*>(at(t));
-    for (int64_t byte = 0; byte < row * static_cast<int64_t>(sizeof(T)); byte += 64)
-      _mm_prefetch(p + byte, _MM_HINT_T1);
-  }
+  for (int64_t i = 0; i < CHUNK; ++i) ahead[i] = at(std::min(t0 + CHUNK + i, len - 1));
+}
+
+// Asks for one row ahead of use, into L2. A sequence's blocks lie anywhere in the pool and the
+// hardware prefetcher starts over at each; a row per token read keeps the requests spread out
+// (a whole chunk asked at once filled the load queue and stalled the reads it was meant to feed).
+template <typename T>
+inline void prefetch_row(const T* p, int64_t row) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t byte = 0; byte < row * static_cast<int64_t>(sizeof(T)); byte += 64)
+    _mm_prefetch(bytes + byte, _MM_HINT_T1);
 }
 
 // Lane i of the result: the sum of v[i]'s 16 lanes.
@@ -119,49 +124,56 @@ void keys_bf16(float* scores, const T* q, int64_t q_head, int64_t q_dim, int64_t
     for (int64_t d = 0; d < D; ++d) tmp[d] = q[h * q_head + d * q_dim];
     for (int64_t c = 0; c < C; ++c) qb[h * C + c] = (__m512bh)_mm512_load_si512(tmp + 32 * c);
   }
+  // Read token by token, all heads of a token in turn: the order the pool lies in memory (head
+  // by head, 16 strided streams, ran slower). Each (token, head) leaves a register of partial
+  // sums, reduced per head after.
+  std::vector<__m512> part(heads * CHUNK);
   const T* rows[CHUNK];
+  const T* ahead[CHUNK];
   for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
     const int64_t n = std::min(CHUNK, len - t0);
-    chunk_rows(rows, kc, table, t0, n, len, block_size, block_stride, row);
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t kv_off = (h / group) * D;
-      __m512 acc[CHUNK];
-      for (int64_t i = 0; i < CHUNK; ++i) {
-        acc[i] = _mm512_setzero_ps();
+    chunk_rows(rows, ahead, kc, table, t0, n, len, block_size, block_stride, row);
+    for (int64_t i = 0; i < CHUNK; ++i) {
+      prefetch_row(ahead[i], row);
+      for (int64_t h = 0; h < heads; ++h) {
+        __m512 acc = _mm512_setzero_ps();
         if (i < n)
           for (int64_t c = 0; c < C; ++c)
-            acc[i] = _mm512_dpbf16_ps(acc[i], qb[h * C + c], (__m512bh)_mm512_loadu_si512(rows[i] + kv_off + 32 * c));
+            acc = _mm512_dpbf16_ps(acc, qb[h * C + c], (__m512bh)_mm512_loadu_si512(rows[i] + (h / group) * D + 32 * c));
+        part[h * CHUNK + i] = acc;
       }
-      const __m512 s = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      const __m512 s = _mm512_mul_ps(reduce16(part.data() + h * CHUNK), _mm512_set1_ps(scale));
       _mm512_mask_storeu_ps(scores + h * len + t0, static_cast<__mmask16>((1u << n) - 1), s);
     }
   }
 }
 
-// acc[h * D ..] = sum_t p[h * len + t] * v_t,(h / group), a chunk at a time with each head's
-// sums in registers (widening bf16 is a shift).
+// acc[h * D ..] = sum_t p[h * len + t] * v_t,(h / group), token by token as the keys are read;
+// the sums stay in L1 (widening bf16 is a shift).
 template <typename T, int64_t D>
 void values_bf16(float* acc, const float* p, int64_t heads, int64_t group, int64_t len, const T* vc,
                  const int64_t* table, int64_t block_size, int64_t block_stride, int64_t row) {
   constexpr int64_t C = D / 16;  // 16 floats per register
   std::fill(acc, acc + heads * D, 0.0f);
   const T* rows[CHUNK];
+  const T* ahead[CHUNK];
   for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
     const int64_t n = std::min(CHUNK, len - t0);
-    chunk_rows(rows, vc, table, t0, n, len, block_size, block_stride, row);
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t kv_off = (h / group) * D;
-      __m512 sum[C];
-      for (int64_t c = 0; c < C; ++c) sum[c] = _mm512_loadu_ps(acc + h * D + 16 * c);
-      for (int64_t i = 0; i < n; ++i) {
+    chunk_rows(rows, ahead, vc, table, t0, n, len, block_size, block_stride, row);
+    for (int64_t i = 0; i < n; ++i) {  // token by token, as the keys: memory order
+      prefetch_row(ahead[i], row);
+      for (int64_t h = 0; h < heads; ++h) {
         const __m512 weight = _mm512_set1_ps(p[h * len + t0 + i]);
+        const T* v_row = rows[i] + (h / group) * D;
+        float* sum = acc + h * D;
         for (int64_t c = 0; c < C; ++c) {
-          const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + kv_off + 16 * c));
+          const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_row + 16 * c));
           const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-          sum[c] = _mm512_fmadd_ps(weight, v, sum[c]);
+          _mm512_storeu_ps(sum + 16 * c, _mm512_fmadd_ps(weight, v, _mm512_loadu_ps(sum + 16 * c)));
         }
       }
-      for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + h * D + 16 * c, sum[c]);
     }
   }
 }
