@@ -121,3 +121,109 @@ def test_bf16_and_float16_models_pack_only_what_oneDNN_float32_can_hold():
     assert pack_linears(bf16) == 3 and bf16.proj.packed_weight.dtype is torch.float32
     half = Tiny(False).to(torch.float16)
     assert pack_linears(half) == 0
+
+
+# -- tokenfleet's own bf16 kernel (AVX512-BF16) ---------------------------------------------------
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_linear.bf16_kernel_available(), reason="tokenfleet::linear_bf16 needs a CPU with AVX512-BF16"
+)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(
+    "rows, in_features, out_features",
+    [
+        (1, 96, 80),  # one row; fewer columns than a 64-column panel holds past the first
+        (7, 130, 100),  # a partial tile of 6 rows; a last panel of 36 columns
+        (32, 256, 688),  # the tiny model's MLP at a decode batch
+        (13, 33, 320),  # an odd number of input features: the pack pads a zero column
+        (400, 64, 64),  # more rows than one task takes (192)
+    ],
+)
+def test_the_bf16_kernel_rounds_float32_sums_of_the_bf16_products_once(bias, rows, in_features, out_features):
+    torch.manual_seed(rows)
+    linear = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+    x = torch.randn(2, rows, in_features).to(torch.bfloat16)  # a leading batch dimension, as HF passes
+    with torch.inference_mode():
+        native = linear(x)
+        got = cpu_linear.KernelLinear(linear)(x)
+    assert got.dtype is torch.bfloat16 and got.shape == (2, rows, out_features)
+    bias = None if linear.bias is None else linear.bias.double()
+    exact = F.linear(x.double(), linear.weight.double(), bias)
+    # float32 sums in another order than oneDNN's: at most one bf16 step from the rounded exact value
+    assert torch.allclose(got.double(), exact.to(torch.bfloat16).double(), rtol=2**-7, atol=1e-6)
+    assert (got.double() - exact).abs().max() <= (native.double() - exact).abs().max() * 1.5 + 1e-6
+
+
+@needs_kernel
+def test_the_bf16_kernel_replaces_the_weight_and_runs_inside_a_compiled_graph():
+    torch.manual_seed(0)
+    model = Tiny(tie=True).to(torch.bfloat16).eval()
+    model.extra = nn.Linear(16, 16).to(torch.float32)  # not bf16: left to the other routes
+    ids = torch.randint(0, 50, (3, 7))
+    with torch.inference_mode():
+        expected = model(ids)
+        assert pack_linears(model, cpu_linear.KernelLinear) == 2  # proj and down; the tied head stays
+        eager = model(ids)
+        compiled = torch.compile(model, fullgraph=True)(ids)
+    assert isinstance(model.proj, cpu_linear.KernelLinear) and isinstance(model.extra, nn.Linear)
+    assert not any(name.endswith("proj.weight") for name, _ in model.named_parameters())
+    assert torch.equal(compiled, eager)
+    assert torch.allclose(eager.float(), expected.float(), rtol=0.05, atol=0.05)
+
+
+def fixed_speeds(kernel, native, float32=(1.0, 1.0)):
+    return lambda: {"kernel": kernel, "native": native, "float32": float32}
+
+
+@needs_kernel
+def test_auto_takes_the_bf16_kernel_only_where_it_measures_fastest(monkeypatch, caplog):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("TOKENFLEET_BF16_LINEAR", raising=False)
+    # as on a Zen 4 EPYC: faster at 32 rows, level at 512
+    monkeypatch.setattr(cpu_linear, "bf16_linear_speeds", fixed_speeds((0.8, 0.5), (1.0, 0.5)))
+    with caplog.at_level(logging.INFO, logger="tokenfleet.worker.cpu_linear"):
+        assert cpu_linear.bf16_kernel_wanted(cpu, torch.bfloat16)
+    assert "1.25x the fastest oneDNN GEMM" in caplog.text and "taken" in caplog.text
+    # as on an AMX Xeon: oneDNN's tiles four times faster on prefill rows
+    monkeypatch.setattr(cpu_linear, "bf16_linear_speeds", fixed_speeds((0.8, 2.0), (1.0, 0.5)))
+    assert not cpu_linear.bf16_kernel_wanted(cpu, torch.bfloat16)
+    assert not cpu_linear.bf16_kernel_wanted(cpu, torch.float32)
+    # the switch decides without measuring
+    monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "kernel")
+    assert cpu_linear.bf16_kernel_wanted(cpu, torch.bfloat16)
+    monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "native")
+    monkeypatch.setattr(cpu_linear, "bf16_linear_speeds", fixed_speeds((0.1, 0.1), (1.0, 1.0)))
+    assert not cpu_linear.bf16_kernel_wanted(cpu, torch.bfloat16)
+
+
+def test_without_avx512_bf16_the_kernel_is_never_taken(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_linear, "bf16_kernel_available", lambda: False)
+    monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "kernel")
+    with caplog.at_level(logging.WARNING, logger="tokenfleet.worker.cpu_linear"):
+        assert not cpu_linear.bf16_kernel_wanted(torch.device("cpu"), torch.bfloat16)
+    assert "lacks AVX512-BF16" in caplog.text
+
+
+@needs_kernel
+def test_a_bf16_engine_on_the_kernel_agrees_with_one_on_onednn(tiny_model, monkeypatch):
+    from tokenfleet.worker.engine import Engine
+
+    prompts = [[5, 9, 13, 40, 2, 77], [100, 3], list(range(30, 60))]
+    logits = {}
+    for route in ("kernel", "native"):
+        monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", route)
+        engine = Engine(tiny_model, device="cpu", dtype="bfloat16")
+        kinds = {type(m).__name__ for m in engine.model.modules()}
+        assert ("KernelLinear" in kinds) is (route == "kernel")
+        ids = [(route, i) for i in range(len(prompts))]
+        for seq, prompt in zip(ids, prompts):
+            engine.allocator.allocate(seq, len(prompt))
+        first = engine.prefill(ids, prompts)
+        for seq in ids:
+            engine.allocator.append_slot(seq)
+        logits[route] = (first, engine.decode(ids, first.argmax(-1).tolist()))
+    for got, want in zip(logits["kernel"], logits["native"]):
+        assert torch.allclose(got, want, rtol=0.05, atol=0.05)  # bf16 sums in another order

@@ -1,7 +1,8 @@
-"""The CPU paged-attention kernels (``csrc/``), built on first use.
+"""The CPU kernels (``csrc/``), built on first use.
 
 Loading them registers the operators ``torch.ops.tokenfleet.paged_decode`` and
-``torch.ops.tokenfleet.paged_prefill`` (write the step's K/V into the pool, attend), with
+``torch.ops.tokenfleet.paged_prefill`` (write the step's K/V into the pool, attend), and
+``pack_linear_bf16`` / ``linear_bf16`` (bf16 linears on AVX512-BF16, see ``cpu_linear``), with
 shape-only implementations here so that ``torch.compile`` can trace them. They are
 compiled for this machine's CPU with the C++ compiler PyTorch finds (``torch.utils.cpp_extension``),
 cached under ``~/.cache/tokenfleet/kernels/<cpu>``, and loaded once per process. When it cannot
@@ -22,7 +23,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "paged_decode_cpu.cpp", CSRC / "paged_prefill_cpu.cpp"]
+SOURCES = [CSRC / "paged_decode_cpu.cpp", CSRC / "paged_prefill_cpu.cpp", CSRC / "linear_bf16_cpu.cpp"]
 HEADERS = [CSRC / "common.h"]
 _lock = threading.Lock()
 _module: Any = None
@@ -91,6 +92,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("tokenfleet::paged_decode")
     def _(query, key, value, k_cache, v_cache, write_blocks, write_offsets, block_tables, lengths, scale):
         return query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])
+
+    @torch.library.register_fake("tokenfleet::linear_bf16")
+    def _(x, packed, out_features, bias):
+        return x.new_empty(*x.shape[:-1], out_features)
 
     @torch.library.register_fake("tokenfleet::paged_prefill")
     def _(query, key, value, k_cache, v_cache, write_blocks, write_offsets, starts, scale):

@@ -12,13 +12,20 @@ AVX512-BF16 Xeon without AMX, oneDNN's bf16 GEMM ran at ~0.6x of float32's). The
 that of a bf16 GEMM: bf16 inputs widen to float32 exactly, the product of two bf16 numbers is
 exact in float32, the sums are float32 (as a bf16 GEMM accumulates) and the output is rounded
 to bf16. The cost is memory: the weight is held in float32, twice its bf16 size.
-``TOKENFLEET_BF16_LINEAR`` = ``auto`` (measure, the default), ``float32`` or ``native``.
+
+On CPUs with AVX512-BF16, bf16 linears can take tokenfleet's own kernel (``csrc/linear_bf16_cpu.cpp``),
+on a weight packed once at load in place of the original: on a Zen 4 EPYC it ran at ~1.2x oneDNN's
+bf16 GEMM at 32 rows and level or a few percent ahead at 2048. ``auto`` measures the three on this
+CPU and takes the kernel where it is the fastest at decode rows and no slower at prefill rows (on
+AMX CPUs oneDNN's tile kernels win).
+``TOKENFLEET_BF16_LINEAR`` = ``auto`` (measure, the default), ``kernel``, ``float32`` or ``native``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import Counter
 
 import torch
@@ -27,7 +34,9 @@ from torch import nn
 from tokenfleet.worker.device import BF16_SLOWER_HINT, bf16_matmul_speed
 
 DECODE_ROWS_HINT = 32  # the batch oneDNN lays the weight out for; any row count still works
-BF16_ROUTES = ("auto", "float32", "native")
+BF16_ROUTES = ("auto", "kernel", "float32", "native")
+KERNEL_MIN_DECODE_GAIN = 1.0  # auto takes the kernel when at least as fast at 32 rows ...
+KERNEL_MAX_PREFILL_LOSS = 0.95  # ... and at least this fast as the best other at 512 rows
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +63,99 @@ class PackedLinear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         out = torch.ops.mkldnn._linear_pointwise(x.float(), self.packed_weight, self.bias, "none", [], "")
         return out.to(self.dtype)
+
+
+class KernelLinear(nn.Module):
+    """A bf16 ``nn.Linear`` computed by ``tokenfleet::linear_bf16`` on its weight packed into
+    64-column panels (the original weight is not kept)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        packed = torch.ops.tokenfleet.pack_linear_bf16(linear.weight.detach())
+        self.register_buffer("packed_weight", packed, persistent=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tokenfleet.linear_bf16(x, self.packed_weight, self.out_features, self.bias)
+
+
+def bf16_kernel_available() -> bool:
+    """Whether ``tokenfleet::linear_bf16`` is built for this CPU (it needs AVX512-BF16)."""
+    from tokenfleet.worker.cpu_kernels import paged_attention_kernels
+
+    if paged_attention_kernels() is None:
+        return False
+    try:
+        packed = torch.ops.tokenfleet.pack_linear_bf16(torch.ones(2, 2, dtype=torch.bfloat16))
+        torch.ops.tokenfleet.linear_bf16(torch.ones(1, 2, dtype=torch.bfloat16), packed, 2, None)
+    except RuntimeError:  # built without AVX512-BF16
+        return False
+    return True
+
+
+def bf16_linear_speeds(size: int = 1024, weights: int = 12, rounds: int = 3) -> dict[str, tuple[float, ...]]:
+    """Seconds (best of ``rounds``) of a ``size`` x ``size`` bf16 linear on each route: ``kernel``,
+    ``native`` (oneDNN bf16, prepacked) and ``float32`` (oneDNN float32, prepacked); at 32 rows
+    through ``weights`` weights in turn (24 MB: from memory, as a decode step reads them), and at
+    512 rows through one. ~0.2 s."""
+    from tokenfleet.worker.cpu_kernels import paged_attention_kernels
+
+    paged_attention_kernels()  # registers tokenfleet::linear_bf16
+    routes: dict[str, list] = {"kernel": [], "native": [], "float32": []}
+    for _ in range(weights):
+        linear = nn.Linear(size, size, bias=False, dtype=torch.bfloat16)
+        native = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), DECODE_ROWS_HINT)
+        routes["kernel"].append(KernelLinear(linear))
+        routes["native"].append(
+            lambda x, w=native: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        )
+        routes["float32"].append(PackedLinear(linear))
+
+    def best(layers: list, x: torch.Tensor) -> float:
+        for layer in layers:  # the library picks and prepares its kernel on the first call
+            layer(x)
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for layer in layers:
+                layer(x)
+            times.append((time.perf_counter() - start) / len(layers))
+        return min(times)
+
+    decode_x = torch.randn(DECODE_ROWS_HINT, size).to(torch.bfloat16)
+    prefill_x = torch.randn(512, size).to(torch.bfloat16)
+    return {name: (best(layers, decode_x), best(layers[:1], prefill_x)) for name, layers in routes.items()}
+
+
+def bf16_kernel_wanted(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a bf16 model's linears take :class:`KernelLinear`: ``kernel`` asks for it (where it
+    is built), ``auto`` measures it against oneDNN's bf16 and float32 GEMMs."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    route = bf16_linear_route()
+    if route not in ("auto", "kernel"):
+        return False
+    if not bf16_kernel_available():
+        if route == "kernel":
+            log.warning("TOKENFLEET_BF16_LINEAR=kernel, but this CPU lacks AVX512-BF16: oneDNN GEMMs instead")
+        return False
+    if route == "kernel":
+        return True
+    speeds = bf16_linear_speeds()
+    kernel = speeds.pop("kernel")
+    decode_gain = min(t[0] for t in speeds.values()) / kernel[0]
+    prefill_gain = min(t[1] for t in speeds.values()) / kernel[1]
+    wanted = decode_gain >= KERNEL_MIN_DECODE_GAIN and prefill_gain >= KERNEL_MAX_PREFILL_LOSS
+    log.info(
+        "bf16 linears: tokenfleet's AVX512-BF16 kernel ran at %.2fx the fastest oneDNN GEMM at %d rows "
+        "and %.2fx at 512: %s (TOKENFLEET_BF16_LINEAR=kernel|native|float32 decides instead)",
+        decode_gain,
+        DECODE_ROWS_HINT,
+        prefill_gain,
+        "taken, on weights packed at load" if wanted else "not taken",
+    )
+    return wanted
 
 
 def bf16_linear_route() -> str:
@@ -125,9 +227,12 @@ def swappable_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]
     ]
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swap each of :func:`swappable_linears` for a :class:`PackedLinear`; returns how many."""
+def pack_linears(model: nn.Module, kind: type[nn.Module] = PackedLinear) -> int:
+    """Swap each of :func:`swappable_linears` for a ``kind`` (:class:`PackedLinear` or, for bf16
+    ones, :class:`KernelLinear`); returns how many."""
     swaps = swappable_linears(model)
+    if kind is KernelLinear:
+        swaps = [swap for swap in swaps if swap[2].weight.dtype == torch.bfloat16]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, kind(child))
     return len(swaps)
