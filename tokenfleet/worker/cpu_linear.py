@@ -74,7 +74,9 @@ class KernelLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         packed = torch.ops.tokenfleet.pack_linear_bf16(linear.weight.detach())
         self.register_buffer("packed_weight", packed, persistent=False)
-        self.bias = linear.bias
+        # the kernel adds the bias to its float32 sums: converted once here, not on every call
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.tokenfleet.linear_bf16(x, self.packed_weight, self.out_features, self.bias)
