@@ -45,6 +45,8 @@ class PackedLinear(nn.Module):
     """An ``nn.Linear`` computed by oneDNN on a float32 weight in its blocked layout; inputs of
     another dtype are widened and the output is rounded back to that dtype."""
 
+    DTYPES = (torch.float32, torch.bfloat16)  # the weights it takes
+
     def __init__(self, linear: nn.Linear, rows_hint: int = DECODE_ROWS_HINT):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -68,6 +70,8 @@ class PackedLinear(nn.Module):
 class KernelLinear(nn.Module):
     """A bf16 ``nn.Linear`` computed by ``tokenfleet::linear_bf16`` on its weight packed into
     64-column panels (the original weight is not kept)."""
+
+    DTYPES = (torch.bfloat16,)
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -215,26 +219,24 @@ def onednn_linears_wanted(device: torch.device, dtype: torch.dtype, model: nn.Mo
     return True
 
 
-def swappable_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """(parent, attribute, linear) for every float32 or bf16 ``nn.Linear`` of ``model`` whose
-    weight no other module uses (a tied output embedding stays as it is)."""
+def swappable_linears(
+    model: nn.Module, dtypes: tuple[torch.dtype, ...] = PackedLinear.DTYPES
+) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, linear) for every ``nn.Linear`` of ``model`` with a weight of one of
+    ``dtypes`` that no other module uses (a tied output embedding stays as it is)."""
     users = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     return [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear
-        and child.weight.dtype in (torch.float32, torch.bfloat16)
-        and users[id(child.weight)] == 1
+        if type(child) is nn.Linear and child.weight.dtype in dtypes and users[id(child.weight)] == 1
     ]
 
 
-def pack_linears(model: nn.Module, kind: type[nn.Module] = PackedLinear) -> int:
-    """Swap each of :func:`swappable_linears` for a ``kind`` (:class:`PackedLinear` or, for bf16
-    ones, :class:`KernelLinear`); returns how many."""
-    swaps = swappable_linears(model)
-    if kind is KernelLinear:
-        swaps = [swap for swap in swaps if swap[2].weight.dtype == torch.bfloat16]
+def pack_linears(model: nn.Module, kind: type[PackedLinear | KernelLinear] = PackedLinear) -> int:
+    """Swap each of :func:`swappable_linears` whose dtype ``kind`` takes for a ``kind``
+    (:class:`PackedLinear` or :class:`KernelLinear`); returns how many."""
+    swaps = swappable_linears(model, kind.DTYPES)
     for parent, name, child in swaps:
         setattr(parent, name, kind(child))
     return len(swaps)

@@ -26,10 +26,11 @@
 namespace {
 
 constexpr int64_t PANEL = 64;  // output columns per panel: 4 vectors of 16 float32 sums
+
+#if defined(__AVX512BF16__)
 constexpr int64_t ROWS = 6;    // input rows per tile: 6 x 4 = 24 accumulators of 32 registers
 constexpr int64_t ROW_CHUNK = 192;  // rows a task takes: a panel stays in L2 over 32 tiles
 
-#if defined(__AVX512BF16__)
 // out_tile[i][0..64) = sum over pairs p of x[i] pair p . panel[p][0..64), for MR rows.
 template <int MR>
 inline void tile(const uint32_t* x, int64_t x_pairs, const uint32_t* panel, int64_t pairs, float* out_tile) {
@@ -93,7 +94,10 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   auto out = at::empty(out_shape, x.options());
   if (m == 0) return out;
   at::Tensor b;
-  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == out_features, "bias must have out_features elements");
+    b = bias->to(at::kFloat).contiguous();
+  }
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(in.data_ptr<c10::BFloat16>());
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
@@ -106,14 +110,14 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
       const int64_t panel = task / chunks, r0 = (task % chunks) * ROW_CHUNK;
       const int64_t r1 = std::min(m, r0 + ROW_CHUNK), c0 = panel * PANEL;
       const int64_t cols = std::min(PANEL, out_features - c0);
-      const __mmask16 last = cols % 16 ? static_cast<__mmask16>((1u << (cols % 16)) - 1) : 0xFFFF;
       for (int64_t r = r0; r < r1; r += ROWS) {
         const int64_t rows = std::min(ROWS, r1 - r);
         run_tile(rows, xp + r * pairs, pairs, wp + panel * pairs * PANEL, pairs, sums);
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t v = 0; v * 16 < cols; ++v) {
             __m512 s = _mm512_loadu_ps(sums + i * PANEL + v * 16);
-            const __mmask16 mask = (v + 1) * 16 <= cols ? 0xFFFF : last;
+            const int64_t left = cols - v * 16;  // columns of this panel from vector v on
+            const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
             if (bp) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(mask, bp + c0 + v * 16));
             _mm256_mask_storeu_epi16(op + (r + i) * out_features + c0 + v * 16, mask, (__m256i)_mm512_cvtneps_pbh(s));
           }
