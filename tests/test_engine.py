@@ -4,11 +4,12 @@ token in every mode, with mixed lengths, staggered arrivals and forced preemptio
 import time
 
 import pytest
+import torch
 from conftest import TEST_DEVICE
 
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
 from tokenfleet.protocol import Request
-from tokenfleet.worker.engine import Engine
+from tokenfleet.worker.engine import Engine, prefill_padded_size
 from tokenfleet.worker.scheduler import Scheduler
 from tokenfleet.worker.sequence import SeqState
 
@@ -205,9 +206,48 @@ def test_every_attention_path_equals_generate(engine, reference, path):
     assert engine.allocator.num_used_blocks == 0
 
 
-def test_packed_prefill_of_mixed_lengths_needs_no_padding(engine, reference):
+def test_prefill_sizes_are_few_and_their_padding_small():
+    sizes = {prefill_padded_size(n) for n in range(1, 8193)}
+    assert len(sizes) <= 100  # oneDNN builds each once and keeps it
+    for n in range(1, 8193):
+        assert 0 <= prefill_padded_size(n) - n < max(16, n / 16), n
+
+
+def test_prefill_padding_leaves_the_prompts_logits_and_cache_alone(engine, reference):
+    """The padding prompt writes only to the scratch block: each real prompt's logits and K/V
+    are those of the same prefill unpadded."""
+    prompts = [reference.ids(p) for p in PROMPTS[:3]]
+    assert prefill_padded_size(sum(map(len, prompts))) > sum(map(len, prompts))  # padding does happen
+    keys = [("pad", i) for i in range(len(prompts))]
+    results = []
+    saved = engine.pad_prefill
+    try:
+        for pad in (True, False):
+            engine.pad_prefill = pad
+            for key, ids in zip(keys, prompts):
+                engine.allocator.allocate(key, len(ids))
+            try:
+                logits = engine.prefill(keys, prompts)
+                slots = [
+                    engine.allocator.slot(k, i) for k, ids in zip(keys, prompts) for i in range(len(ids))
+                ]
+                last_layer = (engine.store.k[-1], engine.store.v[-1])  # after every layer's attention
+                kv = torch.stack([t.flatten(0, 1)[torch.tensor(slots, device=t.device)] for t in last_layer])
+                results.append((logits, kv))
+            finally:
+                for key in keys:
+                    engine.allocator.free(key)
+    finally:
+        engine.pad_prefill = saved
+    (padded_logits, padded_kv), (logits, kv) = results
+    torch.testing.assert_close(padded_logits, logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(padded_kv, kv, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_prefill_of_mixed_lengths_runs_in_one_forward(engine, reference):
     """Prompts of different lengths go through one forward laid end to end: the forward computes
-    exactly the prompt tokens, and each prompt's next token is generate's."""
+    the prompt tokens and at most the padding to the next prefill size, and each prompt's next
+    token is generate's."""
     prompts = [reference.ids(p) for p in PROMPTS]
     keys = [("packed", i) for i in range(len(prompts))]
     for key, ids in zip(keys, prompts):
@@ -218,7 +258,8 @@ def test_packed_prefill_of_mixed_lengths_needs_no_padding(engine, reference):
         for key in keys:
             engine.allocator.free(key)
     assert engine.last_prefill_forwards == 1
-    assert engine.last_prefill_tokens == sum(len(p) for p in prompts)
+    real = sum(len(p) for p in prompts)
+    assert engine.last_prefill_tokens == (prefill_padded_size(real) if engine.pad_prefill else real)
     firsts = logits.argmax(-1).tolist()
     assert firsts == [reference.greedy(p, 1, ignore_eos=True)[0] for p in prompts]
 
@@ -294,7 +335,7 @@ def test_continuous_starts_a_batch_over_max_prefill_tokens_in_parts_a_decode_bet
     finished = drain(sched, {0: seqs})
     prefills = [ev for ev in events if ev.kind == "prefill"]
     assert len(prefills) >= 3, [(ev.size, ev.computed_tokens) for ev in prefills]
-    assert all(ev.computed_tokens <= budget or ev.size == 1 for ev in prefills)
+    assert all(ev.prompt_tokens <= budget or ev.size == 1 for ev in prefills)
     assert sum(ev.size for ev in prefills) == len(seqs)
     kinds = [ev.kind for ev in events]
     assert "prefill" not in {a for a, b in zip(kinds, kinds[1:]) if a == b}, kinds

@@ -27,6 +27,11 @@ DEFAULT_KV_FRACTION_OF_WEIGHTS = 1.0  # with no budget given, a pool as large as
 # Prefill packs whole prompts into forwards of at most this many tokens (activation memory bound).
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192
 MIN_DECODE_BUCKET = 8  # compiled decode pads batches to 8, 16, 32, ...: weights cost the same
+# CPU prefill pads its packed token count to one of 16 sizes per doubling (at most 1/16 more
+# tokens): oneDNN builds a GEMM for every new row count (~20-30% of a prefill's time on an AMX
+# Xeon), and real prompt mixes would otherwise bring a new one almost every time
+PREFILL_SIZES_PER_DOUBLING = 16
+MIN_PREFILL_PAD_STEP = 16
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,7 @@ class Engine:
         self.use_kernel = self.device.type == "cpu" and paged_attention_kernels() is not None
         self.use_prefill_kernel = self.use_kernel and self.head_dim % 16 == 0  # its widest vector (AVX-512)
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.pad_prefill = self.device.type == "cpu"  # see PREFILL_SIZES_PER_DOUBLING
         self.decode_buckets = decode_buckets(max_batch_size)
         # after the KV budget, which counts the weights as loaded
         if bf16_kernel_wanted(self.device, self.dtype):
@@ -210,14 +216,19 @@ class Engine:
         """One forward over the prompts laid end to end (``[1, N]``); attention unpacks them to
         one row per prompt, each attending causally to its own tokens."""
         dev = self.device
-        lengths = torch.tensor([len(t) for t in token_lists])
-        rows, width, real = len(token_lists), int(lengths.max()), int(lengths.sum())
-        self.last_prefill_tokens += real
+        real = sum(len(t) for t in token_lists)
+        # padding, if any, is one more prompt of pad tokens whose K/V go to the scratch block
+        pad = prefill_padded_size(real) - real if self.pad_prefill else 0
+        lengths = torch.tensor([len(t) for t in token_lists] + ([pad] if pad else []))
+        rows, width = len(lengths), int(lengths.max())
+        self.last_prefill_tokens += real + pad
         segment = torch.repeat_interleave(torch.arange(rows), lengths)
         ends = torch.cumsum(lengths, 0)
         starts = ends - lengths
-        positions = torch.arange(real) - starts[segment]
-        tables = self._block_tables(seq_ids)
+        positions = torch.arange(real + pad) - starts[segment]
+        tables = self._block_tables(seq_ids, min_width=-(-pad // self.block_size))
+        if pad:
+            tables = torch.cat([tables, torch.full((1, tables.shape[1]), self.scratch_block)])
         use_kernel = self.use_prefill_kernel
         mask = None
         if not use_kernel:  # the kernel reads prompt bounds, not a [B, 1, L, L] mask
@@ -234,12 +245,13 @@ class Engine:
             starts=torch.cat([starts, ends[-1:]]).to(dev),
             use_kernel=use_kernel,
         )
-        input_ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
+        input_ids = [t for tokens in token_lists for t in tokens] + [self.pad_token_id] * pad
+        input_ids = torch.tensor(input_ids, dtype=torch.long)
         compiled = (
             self._compiled_prefill is not None and rows >= 2 and width >= 2
         )  # sizes 0/1 get specialised
         hidden = self._forward(input_ids[None].to(dev), positions[None].to(dev), meta, compiled)
-        last = (ends - 1).to(dev)
+        last = (ends[: len(token_lists)] - 1).to(dev)
         return self._logits(hidden[0, last])
 
     def _block_tables(self, seq_ids: Sequence[Hashable], min_width: int = 1) -> torch.Tensor:
@@ -354,6 +366,15 @@ class Engine:
                 for key in keys:
                     self.allocator.free(key)
         return time.perf_counter() - start
+
+
+def prefill_padded_size(tokens: int) -> int:
+    """``tokens`` rounded up to one of :data:`PREFILL_SIZES_PER_DOUBLING` sizes between each two
+    powers of two (steps of at least :data:`MIN_PREFILL_PAD_STEP`)."""
+    octave = tokens.bit_length() - 1  # 2**octave <= tokens < 2**(octave + 1)
+    step = 1 << max(0, octave - (PREFILL_SIZES_PER_DOUBLING.bit_length() - 1))
+    step = max(MIN_PREFILL_PAD_STEP, step)
+    return -(-tokens // step) * step
 
 
 def decode_buckets(max_batch_size: int) -> list[int]:

@@ -48,6 +48,7 @@ class BatchEvent:
     computed_tokens: int = 0  # prefill: tokens the forwards ran, padding included
     forwards: int = 1
     padding_waste: float = 0.0  # prefill: padding tokens / prompt tokens
+    prompt_tokens: int = 0  # prefill: the prompts' own tokens (what max_prefill_tokens bounds)
 
 
 class Scheduler:
@@ -191,7 +192,12 @@ class Scheduler:
         real, computed = sum(len(t) for t in token_lists), self.engine.last_prefill_tokens
         self._emit(
             BatchEvent(
-                "prefill", len(seqs), computed, self.engine.last_prefill_forwards, (computed - real) / real
+                "prefill",
+                len(seqs),
+                computed,
+                self.engine.last_prefill_forwards,
+                (computed - real) / real,
+                prompt_tokens=real,
             )
         )
         self.running.extend(seqs)
