@@ -69,8 +69,11 @@ def main() -> None:
     print("| prefill sizes | tokens/s | TTFT mean ms | last TTFT ms | tokens/s by round |")
     print("|---|---|---|---|---|")
     for rounded in (True, False):
-        med = {k: statistics.median(r[k] for r in runs[rounded]) for k in ("tokens_per_s", "ttft_mean_ms")}
-        last = statistics.median(r["ttft_last_ms"] for r in runs[rounded])
+        med = {
+            k: round(statistics.median(r[k] for r in runs[rounded]), 1)
+            for k in ("tokens_per_s", "ttft_mean_ms")
+        }
+        last = round(statistics.median(r["ttft_last_ms"] for r in runs[rounded]), 1)
         by_round = " / ".join(str(r["tokens_per_s"]) for r in runs[rounded])
         name = "rounded (16 per doubling)" if rounded else "exact"
         print(f"| {name} | {med['tokens_per_s']} | {med['ttft_mean_ms']} | {last} | {by_round} |")
