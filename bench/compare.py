@@ -71,6 +71,9 @@ ROWS = (
 # Run only when named in --only: the worker with its Redis round trip always between steps
 # (--overlap-io off) or always during the next step (on), to measure what the overlap buys.
 EXTRA_ROWS = ("tokenfleet-e2e-compile-serial-io", "tokenfleet-e2e-compile-overlap-io")
+# ... and with one CPU fewer for the worker's threads, left to Redis, the client and the worker's
+# I/O (what vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU does; its best configuration here reserves none)
+EXTRA_ROWS += ("tokenfleet-e2e-compile-reserved-cpu",)
 
 
 # -- workload -------------------------------------------------------------------------------------
@@ -372,6 +375,7 @@ def run_e2e(
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
     device: str = "cpu",
     overlap_io: str = "auto",
+    threads: int | None = None,
 ) -> dict:
 
     from tokenfleet.embedded import EmbeddedRedis
@@ -393,6 +397,7 @@ def run_e2e(
     flags += ["--max-prefill-tokens", str(max_prefill_tokens)]
     flags += ["--stream-interval-ms", str(stream_interval_ms), "--compile" if compile else "--no-compile"]
     flags += ["--overlap-io", overlap_io]
+    flags += ["--threads", str(threads)] if threads else []
     env = allocator_env()
     with EmbeddedRedis() as server, worker_process(server.url, prefix, model_dir, flags, env) as worker:
         counters = CpuCounters(server.url, worker.pid)
@@ -404,8 +409,10 @@ def run_e2e(
     note += f", stream_interval_ms {stream_interval_ms:g}, max_prefill_tokens {max_prefill_tokens}"
     note += ", --compile" if compile else ""
     note += f", --overlap-io {overlap_io}"
+    note += f", --threads {threads}" if threads else ""
     note += ", tcmalloc" if env else ""
     suffix = {"auto": "", "off": "-serial-io", "on": "-overlap-io"}[overlap_io]
+    suffix += "-reserved-cpu" if threads else ""
     name = "tokenfleet-e2e" + ("-compile" if compile else "") + suffix
     row = summarize(name, traces, wall, note)
     return {**row, **counters.used}
@@ -743,6 +750,9 @@ def main() -> None:
         "tokenfleet-e2e-compile": partial(e2e, compile=True),
         "tokenfleet-e2e-compile-serial-io": partial(e2e, compile=True, overlap_io="off"),
         "tokenfleet-e2e-compile-overlap-io": partial(e2e, compile=True, overlap_io="on"),
+        "tokenfleet-e2e-compile-reserved-cpu": partial(
+            e2e, compile=True, threads=max(1, torch.get_num_threads() - 1)
+        ),
         "vllm-default": partial(vllm, best=False),
         "vllm-best": partial(vllm, best=True),
     }
