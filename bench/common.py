@@ -11,13 +11,13 @@ import time
 from contextlib import contextmanager
 
 
-def model_or_tiny(model: str | None) -> str:
-    """The model directory to benchmark: the one given, else the tiny model built in a temp dir."""
+def model_or_built(model: str | None, size: str = "tiny") -> str:
+    """The model directory to benchmark: the one given, else a ``size`` model built in a temp dir."""
     if model is not None:
         return model
     from tokenfleet.models import init_model
 
-    return str(init_model(tempfile.mkdtemp(prefix="tokenfleet-bench-") + "/tiny", "tiny"))
+    return str(init_model(tempfile.mkdtemp(prefix="tokenfleet-bench-") + f"/{size}", size))
 
 
 def percentile(values: list[float], q: float) -> float | None:

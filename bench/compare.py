@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
-from bench.common import TCMALLOC, allocator_env, percentile, worker_process
+from bench.common import TCMALLOC, allocator_env, model_or_built, percentile, worker_process
 from tokenfleet.config import DEFAULT_MAX_PREFILL_TOKENS
 
 HERE = Path(__file__).resolve().parent
@@ -683,11 +683,9 @@ def main() -> None:
 
     import torch
 
-    from tokenfleet.models import PAD_ID, init_model
+    from tokenfleet.models import PAD_ID
 
-    model_dir = args.model or str(
-        init_model(tempfile.mkdtemp(prefix="tokenfleet-compare-") + f"/{args.size}", args.size)
-    )
+    model_dir = model_or_built(args.model, args.size)
     reqs = make_workload(args.workload, args.requests, args.prompt_len, args.new_tokens, args.rate, args.seed)
     bucket = 1 << (max(len(r.prompt_ids) for r in reqs) - 1).bit_length()
     longest = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs)

@@ -17,10 +17,9 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 
-from bench.common import allocator_env, percentile, worker_process
+from bench.common import allocator_env, model_or_built, percentile, worker_process
 from bench.compare import make_workload
 from tokenfleet.embedded import EmbeddedRedis
 from tokenfleet.producer import Client
@@ -75,11 +74,7 @@ def main() -> None:
     p.add_argument("--max-wait-ms", default="0,10,50", help="comma-separated values to try")
     p.add_argument("--repeats", type=int, default=10)
     args = p.parse_args()
-    from tokenfleet.models import init_model
-
-    model_dir = args.model or str(
-        init_model(tempfile.mkdtemp(prefix="tokenfleet-ttft-") + f"/{args.size}", args.size)
-    )
+    model_dir = model_or_built(args.model, args.size)
     prompt = make_workload("fixed", 1, args.prompt_len, 4, 1.0, 0)[0].prompt_ids
     prefill_warm = prefill_ms(model_dir, args.dtype, prompt, args.repeats, 0.0)
     prefill = prefill_ms(model_dir, args.dtype, prompt, args.repeats, IDLE_S)

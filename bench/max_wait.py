@@ -18,7 +18,7 @@ import random
 import statistics
 import time
 
-from bench.common import model_or_tiny, percentile, worker_process
+from bench.common import model_or_built, percentile, worker_process
 from tokenfleet.embedded import EmbeddedRedis
 from tokenfleet.producer import AsyncClient
 
@@ -131,7 +131,7 @@ def main() -> None:
         return
     if args.clients < 8:  # static batch 8 dispatches only full batches: fewer clients never fill one
         raise SystemExit("--clients must be at least 8 (the static batch 8 row waits for 8 requests)")
-    model = model_or_tiny(args.model)
+    model = model_or_built(args.model)
     rows = []
     with EmbeddedRedis() as server:
         for label, flags in CONFIGS:

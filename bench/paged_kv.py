@@ -15,7 +15,7 @@ import json
 import random
 import time
 
-from bench.common import model_or_tiny
+from bench.common import model_or_built
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
 from tokenfleet.protocol import Request
 from tokenfleet.worker.engine import Engine
@@ -107,7 +107,7 @@ def main() -> None:
     p.add_argument("--modes", default="dynamic,continuous")
     args = p.parse_args()
 
-    model = model_or_tiny(args.model)
+    model = model_or_built(args.model)
     engine = Engine(
         model, device="cpu", dtype=args.dtype, kv=KVCacheConfig(block_size=args.block_size, num_blocks=4096)
     )

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 
+from bench.common import model_or_built
 from bench.compare import Req, make_workload, pool_blocks
 
 
@@ -75,12 +75,9 @@ def main() -> None:
     args = p.parse_args()
 
     from tokenfleet.config import KVCacheConfig
-    from tokenfleet.models import init_model
     from tokenfleet.worker.engine import Engine
 
-    model_dir = args.model or str(
-        init_model(tempfile.mkdtemp(prefix="tokenfleet-budget-") + f"/{args.size}", args.size)
-    )
+    model_dir = model_or_built(args.model, args.size)
     reqs = make_workload("fixed", args.requests, args.prompt_len, args.new_tokens, 0.0, 0)
     kv = KVCacheConfig(num_blocks=pool_blocks(reqs, args.requests))
     engine = Engine(model_dir, dtype=args.dtype, kv=kv, compile=args.compile, max_batch_size=args.requests)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 
+from bench.common import model_or_built
 from bench.compare import make_workload, pool_blocks
 from bench.prefill_budget import serve_burst
 
@@ -37,12 +37,9 @@ def main() -> None:
     args = p.parse_args()
 
     from tokenfleet.config import KVCacheConfig
-    from tokenfleet.models import init_model
     from tokenfleet.worker.engine import Engine
 
-    model_dir = args.model or str(
-        init_model(tempfile.mkdtemp(prefix="tokenfleet-sizes-") + f"/{args.size}", args.size)
-    )
+    model_dir = model_or_built(args.model, args.size)
 
     def workload(seed: int):
         return make_workload("mixed", args.requests, args.prompt_len, args.new_tokens, 0.0, seed)

@@ -28,7 +28,7 @@ import time
 
 import redis
 
-from bench.common import model_or_tiny
+from bench.common import model_or_built
 from tokenfleet.embedded import EmbeddedRedis
 from tokenfleet.producer import Client
 from tokenfleet.protocol import Keys
@@ -136,7 +136,7 @@ def main() -> None:
     p.add_argument("--max-wait-ms", type=float, default=10)
     args = p.parse_args()
 
-    model = model_or_tiny(args.model)
+    model = model_or_built(args.model)
     rng = random.Random(0)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 10))) for _ in range(args.requests)]
     rows = []
