@@ -123,10 +123,10 @@ def test_bf16_and_float16_models_pack_only_what_oneDNN_float32_can_hold():
     assert pack_linears(half) == 0
 
 
-# -- tokenfleet's own bf16 kernel (AVX512-BF16) ---------------------------------------------------
+# -- tokenfleet's own bf16 kernel (AVX-512: VDPBF16PS with AVX512-BF16, float32 FMAs without) -----
 
 needs_kernel = pytest.mark.skipif(
-    not cpu_linear.bf16_kernel_available(), reason="tokenfleet::linear_bf16 needs a CPU with AVX512-BF16"
+    not cpu_linear.bf16_kernel_available(), reason="tokenfleet::linear_bf16 needs a CPU with AVX-512"
 )
 
 
@@ -155,6 +155,26 @@ def test_the_bf16_kernel_rounds_float32_sums_of_the_bf16_products_once(bias, row
     # float32 sums in another order than oneDNN's: at most one bf16 step from the rounded exact value
     assert torch.allclose(got.double(), exact.to(torch.bfloat16).double(), rtol=2**-7, atol=1e-6)
     assert (got.double() - exact).abs().max() <= (native.double() - exact).abs().max() * 1.5 + 1e-6
+
+
+@needs_kernel
+def test_the_bf16_kernel_rounds_exact_sums_to_nearest_even_and_keeps_nan_and_inf():
+    # Small integers: every product and sum is exact in float32, so only the final rounding to
+    # bf16 (8 significant bits: 257 -> 256, 259 -> 260, ties to even) decides the output.
+    torch.manual_seed(1)
+    linear = nn.Linear(80, 100, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randint(-8, 9, (100, 80)))
+        linear.bias.copy_(torch.randint(-300, 301, (100,)))
+    linear = linear.to(torch.bfloat16)
+    x = torch.randint(-8, 9, (9, 80)).to(torch.bfloat16)
+    x[7, 3], x[8, 5] = float("nan"), float("inf")
+    with torch.inference_mode():
+        got = cpu_linear.KernelLinear(linear)(x)
+    exact = F.linear(x[:7].double(), linear.weight.double(), linear.bias.double())
+    assert exact.abs().max() < 2**24 and torch.equal(got[:7], exact.to(torch.bfloat16))
+    assert got[7].isnan().all()  # NaN times anything, summed: NaN in every column
+    assert (got[8].isinf() | got[8].isnan()).all()  # inf times a weight: +-inf, or NaN where it is 0
 
 
 @needs_kernel
@@ -191,6 +211,15 @@ def test_auto_takes_the_bf16_kernel_only_where_it_measures_fastest(monkeypatch, 
     monkeypatch.setattr(cpu_linear, "bf16_linear_speeds", fixed_speeds((0.8, 2.0), (1.0, 0.5)))
     assert not cpu_linear.bf16_kernel_wanted(cpu, torch.bfloat16)
     assert not cpu_linear.bf16_kernel_wanted(cpu, torch.float32)
+    # against the float32 route (twice the weight bytes) a prefill up to a fifth slower is taken,
+    # as on an Ice Lake-class Xeon, whose emulated bf16 GEMM is the slowest of the three
+    monkeypatch.setattr(cpu_linear, "bf16_linear_speeds", fixed_speeds((0.8, 1.15), (4.0, 10.0), (1.0, 1.0)))
+    assert cpu_linear.bf16_kernel_wanted(cpu, torch.bfloat16)
+    monkeypatch.setattr(cpu_linear, "bf16_linear_speeds", fixed_speeds((0.8, 1.3), (4.0, 10.0), (1.0, 1.0)))
+    assert not cpu_linear.bf16_kernel_wanted(cpu, torch.bfloat16)
+    # ... but no slower than 0.95x where the fastest at prefill keeps bf16 weights
+    monkeypatch.setattr(cpu_linear, "bf16_linear_speeds", fixed_speeds((0.8, 1.15), (1.0, 1.0), (1.0, 2.0)))
+    assert not cpu_linear.bf16_kernel_wanted(cpu, torch.bfloat16)
     # the switch decides without measuring
     monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "kernel")
     assert cpu_linear.bf16_kernel_wanted(cpu, torch.bfloat16)
@@ -199,12 +228,12 @@ def test_auto_takes_the_bf16_kernel_only_where_it_measures_fastest(monkeypatch, 
     assert not cpu_linear.bf16_kernel_wanted(cpu, torch.bfloat16)
 
 
-def test_without_avx512_bf16_the_kernel_is_never_taken(monkeypatch, caplog):
+def test_without_avx512_the_kernel_is_never_taken(monkeypatch, caplog):
     monkeypatch.setattr(cpu_linear, "bf16_kernel_available", lambda: False)
     monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "kernel")
     with caplog.at_level(logging.WARNING, logger="tokenfleet.worker.cpu_linear"):
         assert not cpu_linear.bf16_kernel_wanted(torch.device("cpu"), torch.bfloat16)
-    assert "lacks AVX512-BF16" in caplog.text
+    assert "lacks AVX-512" in caplog.text
 
 
 @needs_kernel

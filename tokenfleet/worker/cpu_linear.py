@@ -13,11 +13,17 @@ that of a bf16 GEMM: bf16 inputs widen to float32 exactly, the product of two bf
 exact in float32, the sums are float32 (as a bf16 GEMM accumulates) and the output is rounded
 to bf16. The cost is memory: the weight is held in float32, twice its bf16 size.
 
-On CPUs with AVX512-BF16, bf16 linears can take tokenfleet's own kernel (``csrc/linear_bf16_cpu.cpp``),
-on a weight packed once at load in place of the original: on a Zen 4 EPYC it ran at ~1.2x oneDNN's
-bf16 GEMM at 32 rows and level or a few percent ahead at 2048. ``auto`` measures the three on this
-CPU and takes the kernel where it is the fastest at decode rows and no slower at prefill rows (on
-AMX CPUs oneDNN's tile kernels win).
+On CPUs with AVX-512, bf16 linears can take tokenfleet's own kernel (``csrc/linear_bf16_cpu.cpp``),
+on a weight packed once at load in place of the original. With AVX512-BF16 it runs VDPBF16PS: on a
+Zen 4 EPYC ~1.2x oneDNN's bf16 GEMM at 32 rows and level or a few percent ahead at 2048. Without it
+(Skylake to Ice Lake Xeons, or a VM that hides the bf16 instructions) it widens the bf16 weight in
+registers and runs float32 FMAs: on such a host 1.2-2.7x oneDNN's float32 GEMM at 1-32 rows
+(decode reads half the bytes) and 0.8-1.0x at 512-2048, where oneDNN's emulated bf16 GEMM ran at a
+tenth of float32's. ``auto`` measures the three on this CPU and takes the kernel where it is the
+fastest at decode rows and no slower at prefill rows (on AMX CPUs oneDNN's tile kernels win); against
+the float32 route, which holds every weight at twice its bytes, it accepts a prefill up to a fifth
+slower (on the host above, a compiled 113M model served 1.05x the float32 route's tokens/s with
+its prefill ~10% slower).
 ``TOKENFLEET_BF16_LINEAR`` = ``auto`` (measure, the default), ``kernel``, ``float32`` or ``native``.
 """
 
@@ -36,7 +42,8 @@ from tokenfleet.worker.device import BF16_SLOWER_HINT, bf16_matmul_speed
 DECODE_ROWS_HINT = 32  # the batch oneDNN lays the weight out for; any row count still works
 BF16_ROUTES = ("auto", "kernel", "float32", "native")
 KERNEL_MIN_DECODE_GAIN = 1.0  # auto takes the kernel when at least as fast at 32 rows ...
-KERNEL_MAX_PREFILL_LOSS = 0.95  # ... and at least this fast as the best other at 512 rows
+KERNEL_MAX_PREFILL_LOSS = 0.95  # ... and at least this fast as the best other at 512 rows,
+KERNEL_MAX_PREFILL_LOSS_VS_FLOAT32 = 0.8  # or this fast where that is the float32 copy
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +94,7 @@ class KernelLinear(nn.Module):
 
 
 def bf16_kernel_available() -> bool:
-    """Whether ``tokenfleet::linear_bf16`` is built for this CPU (it needs AVX512-BF16)."""
+    """Whether ``tokenfleet::linear_bf16`` is built for this CPU (it needs AVX-512 F, BW and VL)."""
     from tokenfleet.worker.cpu_kernels import paged_attention_kernels
 
     if paged_attention_kernels() is None:
@@ -95,7 +102,7 @@ def bf16_kernel_available() -> bool:
     try:
         packed = torch.ops.tokenfleet.pack_linear_bf16(torch.ones(2, 2, dtype=torch.bfloat16))
         torch.ops.tokenfleet.linear_bf16(torch.ones(1, 2, dtype=torch.bfloat16), packed, 2, None)
-    except RuntimeError:  # built without AVX512-BF16
+    except RuntimeError:  # built without AVX-512
         return False
     return True
 
@@ -144,17 +151,20 @@ def bf16_kernel_wanted(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if not bf16_kernel_available():
         if route == "kernel":
-            log.warning("TOKENFLEET_BF16_LINEAR=kernel, but this CPU lacks AVX512-BF16: oneDNN GEMMs instead")
+            log.warning("TOKENFLEET_BF16_LINEAR=kernel, but this CPU lacks AVX-512: oneDNN GEMMs instead")
         return False
     if route == "kernel":
         return True
     speeds = bf16_linear_speeds()
     kernel = speeds.pop("kernel")
     decode_gain = min(t[0] for t in speeds.values()) / kernel[0]
-    prefill_gain = min(t[1] for t in speeds.values()) / kernel[1]
-    wanted = decode_gain >= KERNEL_MIN_DECODE_GAIN and prefill_gain >= KERNEL_MAX_PREFILL_LOSS
+    prefill_rival = min(speeds, key=lambda name: speeds[name][1])
+    prefill_gain = speeds[prefill_rival][1] / kernel[1]
+    # the float32 route holds every weight at twice the bytes: a slower prefill buys half the memory
+    bar = KERNEL_MAX_PREFILL_LOSS_VS_FLOAT32 if prefill_rival == "float32" else KERNEL_MAX_PREFILL_LOSS
+    wanted = decode_gain >= KERNEL_MIN_DECODE_GAIN and prefill_gain >= bar
     log.info(
-        "bf16 linears: tokenfleet's AVX512-BF16 kernel ran at %.2fx the fastest oneDNN GEMM at %d rows "
+        "bf16 linears: tokenfleet's kernel ran at %.2fx the fastest oneDNN GEMM at %d rows "
         "and %.2fx at 512: %s (TOKENFLEET_BF16_LINEAR=kernel|native|float32 decides instead)",
         decode_gain,
         DECODE_ROWS_HINT,

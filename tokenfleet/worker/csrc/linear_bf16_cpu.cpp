@@ -1,4 +1,5 @@
-// bf16 linears for CPUs with AVX512-BF16 (and no AMX, where oneDNN's tile kernels are faster).
+// bf16 linears for CPUs with AVX-512: with AVX512-BF16 (and no AMX, where oneDNN's tile kernels
+// are faster) on VDPBF16PS; without it on float32 FMAs over the widened weight.
 //
 // The weight is packed once at load into 64-column panels, each a [K/2][64][2] array: for every
 // pair of input features, the pairs of 64 output features side by side, which is the operand
@@ -8,15 +9,25 @@
 // 358-363 GFLOP/s at 32 rows (oneDNN's bf16 GEMM on its own prepacked weight: 257-315) and at
 // 438-449 at 2048 rows (oneDNN 427-438): the decode step's matmuls and the prefill's.
 //
+// Without AVX512-BF16 (Skylake to Ice Lake Xeons, or a VM that hides the bf16 instructions) oneDNN
+// emulates bf16 GEMMs at a tenth of float32's speed, and the float32 route doubles the weights'
+// memory. Here the packed panel (48 columns wide in this build) is widened in registers: a pair's
+// 32-bit word holds input feature 2p in its low half and 2p+1 in its high half, so a shift by 16
+// and a mask give the two exact float32 vectors; the input rows are widened to float32 once per
+// call. The products are exact in float32 and summed in float32, so the result is that of the
+// VDPBF16PS path up to the order of the sums. Decode reads half the bytes of a float32 weight.
+//
 // Ops (torch.ops.tokenfleet):
-//   pack_linear_bf16(weight [N, K])  -> packed [ceil(N/64), ceil(K/2), 64, 2], zero padded
+//   pack_linear_bf16(weight [N, K])  -> packed [ceil(N/P), ceil(K/2), P, 2], zero padded (P = PANEL)
 //   linear_bf16(x [..., K], packed, N, bias [N]?) -> [..., N] bf16, float32 sums rounded once
 
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512BF16__)
+// AVX-512 F, BW and VL: every Xeon since Skylake-SP, Zen 4 (not Knights Landing, which lacks BW).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define TOKENFLEET_LINEAR_AVX512 1
 #include <immintrin.h>
 #endif
 
@@ -25,15 +36,16 @@
 
 namespace {
 
-constexpr int64_t PANEL = 64;  // output columns per panel: 4 vectors of 16 float32 sums
+constexpr int64_t ROW_CHUNK = 192;  // rows a task takes: a panel stays in L2 over many tiles
 
 #if defined(__AVX512BF16__)
+constexpr int64_t PANEL = 64;  // output columns per panel: 4 vectors of 16 float32 sums
 constexpr int64_t ROWS = 6;    // input rows per tile: 6 x 4 = 24 accumulators of 32 registers
-constexpr int64_t ROW_CHUNK = 192;  // rows a task takes: a panel stays in L2 over 32 tiles
 
 // out_tile[i][0..64) = sum over pairs p of x[i] pair p . panel[p][0..64), for MR rows.
 template <int MR>
-inline void tile(const uint32_t* x, int64_t x_pairs, const uint32_t* panel, int64_t pairs, float* out_tile) {
+inline void tile(const uint32_t* x, int64_t x_pairs, const uint32_t* panel, int64_t pairs, int64_t /*cols*/,
+                 float* out_tile) {
   __m512 acc[MR][4];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
@@ -54,14 +66,88 @@ inline void tile(const uint32_t* x, int64_t x_pairs, const uint32_t* panel, int6
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out_tile + i * PANEL + v * 16, acc[i][v]);
 }
 
-void run_tile(int64_t rows, const uint32_t* x, int64_t x_pairs, const uint32_t* panel, int64_t pairs, float* out) {
+#elif defined(TOKENFLEET_LINEAR_AVX512)
+// Tiles of 8 rows x 48 columns: 24 accumulators, 3 widened weight vectors and a broadcast. With
+// 64-column panels (6 x 4) GCC spilled accumulators to the stack in the widening's shadow: 122-132
+// GFLOP/s on one Ice Lake-class core against 166-172 for 8 x 3 (peak 173; a scratch benchmark).
+constexpr int64_t PANEL = 48;
+constexpr int64_t ROWS = 8;
+
+// As above, on float32 FMAs: x is the input widened to float32, x_pairs pairs (2 floats) a row;
+// NV of the panel's 3 vectors (a last panel of N % 48 columns takes fewer).
+template <int MR, int NV>
+inline void tile_cols(const float* x, int64_t x_pairs, const uint32_t* panel, int64_t pairs, float* out_tile) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint32_t* w = panel + p * PANEL;
+    __m512 wf[NV];
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; ++v) wf[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w + v * 16), 16));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512 a = _mm512_set1_ps(x[(i * x_pairs + p) * 2]);
+#pragma GCC unroll 3
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(wf[v], a, acc[i][v]);
+    }
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; ++v) wf[v] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(w + v * 16), high));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512 a = _mm512_set1_ps(x[(i * x_pairs + p) * 2 + 1]);
+#pragma GCC unroll 3
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(wf[v], a, acc[i][v]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out_tile + i * PANEL + v * 16, acc[i][v]);
+}
+
+template <int MR>
+inline void tile(const float* x, int64_t x_pairs, const uint32_t* panel, int64_t pairs, int64_t cols, float* out_tile) {
+  if (cols > 32)
+    tile_cols<MR, 3>(x, x_pairs, panel, pairs, out_tile);
+  else if (cols > 16)
+    tile_cols<MR, 2>(x, x_pairs, panel, pairs, out_tile);
+  else
+    tile_cols<MR, 1>(x, x_pairs, panel, pairs, out_tile);
+}
+#else
+constexpr int64_t PANEL = 64;  // no kernel in this build; pack_linear_bf16 still packs
+#endif
+
+#if defined(TOKENFLEET_LINEAR_AVX512)
+// The 16 floats of s rounded to bf16 (to nearest, ties to even, as VCVTNEPS2BF16 rounds).
+inline __m256i round_to_bf16(__m512 s) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(s);
+#else
+  const __m512i bits = _mm512_castps_si512(s);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);  // a quiet NaN, not a rounded-up infinity
+  rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(rounded);
+#endif
+}
+
+template <typename X>
+void run_tile(int64_t rows, const X* x, int64_t x_pairs, const uint32_t* panel, int64_t pairs, int64_t cols,
+              float* out) {
+  static_assert(ROWS <= 8, "tiles of up to 8 rows");
   switch (rows) {
-    case 6: tile<6>(x, x_pairs, panel, pairs, out); break;
-    case 5: tile<5>(x, x_pairs, panel, pairs, out); break;
-    case 4: tile<4>(x, x_pairs, panel, pairs, out); break;
-    case 3: tile<3>(x, x_pairs, panel, pairs, out); break;
-    case 2: tile<2>(x, x_pairs, panel, pairs, out); break;
-    default: tile<1>(x, x_pairs, panel, pairs, out); break;
+    case 8: tile<8 <= ROWS ? 8 : 1>(x, x_pairs, panel, pairs, cols, out); break;
+    case 7: tile<7 <= ROWS ? 7 : 1>(x, x_pairs, panel, pairs, cols, out); break;
+    case 6: tile<6>(x, x_pairs, panel, pairs, cols, out); break;
+    case 5: tile<5>(x, x_pairs, panel, pairs, cols, out); break;
+    case 4: tile<4>(x, x_pairs, panel, pairs, cols, out); break;
+    case 3: tile<3>(x, x_pairs, panel, pairs, cols, out); break;
+    case 2: tile<2>(x, x_pairs, panel, pairs, cols, out); break;
+    default: tile<1>(x, x_pairs, panel, pairs, cols, out); break;
   }
 }
 #endif
@@ -80,7 +166,7 @@ at::Tensor pack_linear_bf16(const at::Tensor& weight) {
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        const std::optional<at::Tensor>& bias) {
-#if defined(__AVX512BF16__)
+#if defined(TOKENFLEET_LINEAR_AVX512)
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bf16 inputs only");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == PANEL && packed.size(3) == 2, "weight not packed by pack_linear_bf16");
   const int64_t k = x.size(-1), pairs = packed.size(1), panels = packed.size(0);
@@ -99,7 +185,14 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
     b = bias->to(at::kFloat).contiguous();
   }
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+#if defined(__AVX512BF16__)
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(in.data_ptr<c10::BFloat16>());
+  const int64_t x_row = pairs;  // a row's pairs, one 32-bit word each
+#else
+  const auto widened = in.to(at::kFloat);  // once per call; the tiles broadcast single floats
+  const float* xp = widened.data_ptr<float>();
+  const int64_t x_row = 2 * pairs;
+#endif
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
@@ -112,21 +205,21 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
       const int64_t cols = std::min(PANEL, out_features - c0);
       for (int64_t r = r0; r < r1; r += ROWS) {
         const int64_t rows = std::min(ROWS, r1 - r);
-        run_tile(rows, xp + r * pairs, pairs, wp + panel * pairs * PANEL, pairs, sums);
+        run_tile(rows, xp + r * x_row, pairs, wp + panel * pairs * PANEL, pairs, cols, sums);
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t v = 0; v * 16 < cols; ++v) {
             __m512 s = _mm512_loadu_ps(sums + i * PANEL + v * 16);
             const int64_t left = cols - v * 16;  // columns of this panel from vector v on
             const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
             if (bp) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(mask, bp + c0 + v * 16));
-            _mm256_mask_storeu_epi16(op + (r + i) * out_features + c0 + v * 16, mask, (__m256i)_mm512_cvtneps_pbh(s));
+            _mm256_mask_storeu_epi16(op + (r + i) * out_features + c0 + v * 16, mask, round_to_bf16(s));
           }
       }
     }
   });
   return out;
 #else
-  TORCH_CHECK(false, "tokenfleet::linear_bf16 needs a CPU with AVX512-BF16 (this build has none)");
+  TORCH_CHECK(false, "tokenfleet::linear_bf16 needs a CPU with AVX-512 (this build has none)");
 #endif
 }
 
