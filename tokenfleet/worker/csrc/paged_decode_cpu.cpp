@@ -23,7 +23,10 @@
 
 #include "common.h"
 
-#if defined(__AVX512BF16__)
+// The bf16 paths: with AVX512-BF16, q . k on VDPBF16PS; with AVX-512 alone, keys widened to
+// float32 (a shift) and float32 FMAs. Both read the pool in memory order.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define TOKENFLEET_DECODE_AVX512 1
 #include <immintrin.h>
 #endif
 
@@ -54,9 +57,9 @@ inline void axpy(float p, const T* v, float* acc, int64_t d) {
   for (int64_t i = 0; i < n; ++i) acc[i] += p * to_float(v[i]);
 }
 
-// The bf16 paths for CPUs with AVX512-BF16 (defined below when the compiler targets one; called
-// only for bf16 and head sizes that are a multiple of 32, kBf16Vectors).
-#if defined(__AVX512BF16__)
+// The bf16 paths for CPUs with AVX-512 (defined below when the compiler targets one; called only
+// for bf16 and head sizes that are a multiple of 32, kBf16Vectors).
+#if defined(TOKENFLEET_DECODE_AVX512)
 template <typename T, int64_t D>
 constexpr bool kBf16Vectors = std::is_same_v<T, c10::BFloat16> && D > 0 && D % 32 == 0;
 #else
@@ -70,7 +73,7 @@ template <typename T, int64_t D>
 void values_bf16(float* acc, const float* p, int64_t heads, int64_t group, int64_t len, const T* vc,
                  const int64_t* table, int64_t block_size, int64_t block_stride, int64_t row);
 
-#if defined(__AVX512BF16__)
+#if defined(TOKENFLEET_DECODE_AVX512)
 constexpr int64_t CHUNK = 16;  // tokens the bf16 paths take at a time (one register of float sums)
 
 // rows[i] = token t0 + i's row of one layer's pool (all KV heads) for the chunk's n tokens, and
@@ -93,6 +96,12 @@ inline void prefetch_row(const T* p, int64_t row) {
     _mm_prefetch(bytes + byte, _MM_HINT_T1);
 }
 
+// 16 bf16 numbers widened to float32 (exact: a shift).
+inline __m512 widen16(const void* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
 // Lane i of the result: the sum of v[i]'s 16 lanes.
 inline __m512 reduce16(const __m512* v) {
   __m512 a[8], b[4];
@@ -111,12 +120,14 @@ inline __m512 reduce16(const __m512* v) {
 
 // scores[h * len + t] = scale * q_h . k_t,(h / group) for every head and token of one sequence.
 // VDPBF16PS multiplies bf16 pairs exactly and sums them in float32, so a head's q . k is D / 32
-// instructions on the cache's own bytes (no widening), and a chunk's 16 sums per head are reduced
-// together (reduce16) instead of one horizontal sum per token.
+// instructions on the cache's own bytes (no widening; without AVX512-BF16, D / 16 FMAs on keys
+// widened by a shift), and a chunk's 16 sums per head are reduced together (reduce16) instead of
+// one horizontal sum per token.
 template <typename T, int64_t D>
 void keys_bf16(float* scores, const T* q, int64_t q_head, int64_t q_dim, int64_t heads,
                int64_t group, int64_t len, float scale, const T* kc, const int64_t* table, int64_t block_size,
                int64_t block_stride, int64_t row) {
+#if defined(__AVX512BF16__)
   constexpr int64_t C = D / 32;  // 32 bf16 per register
   std::vector<__m512bh> qb(heads * C);
   for (int64_t h = 0; h < heads; ++h) {
@@ -124,6 +135,27 @@ void keys_bf16(float* scores, const T* q, int64_t q_head, int64_t q_dim, int64_t
     for (int64_t d = 0; d < D; ++d) tmp[d] = q[h * q_head + d * q_dim];
     for (int64_t c = 0; c < C; ++c) qb[h * C + c] = (__m512bh)_mm512_load_si512(tmp + 32 * c);
   }
+  auto dot_head = [&](const T* k, int64_t h) {  // a register of partial sums of q_h . k
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; ++c)
+      acc = _mm512_dpbf16_ps(acc, qb[h * C + c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+    return acc;
+  };
+#else
+  constexpr int64_t C = D / 16;  // 16 floats per register
+  std::vector<__m512> qv(heads * C);
+  for (int64_t h = 0; h < heads; ++h) {
+    alignas(64) float tmp[D];
+    for (int64_t d = 0; d < D; ++d) tmp[d] = to_float(q[h * q_head + d * q_dim]);
+    for (int64_t c = 0; c < C; ++c) qv[h * C + c] = _mm512_load_ps(tmp + 16 * c);
+  }
+  // the same on float32 FMAs: bf16 products are exact in float32, only the order of the sums differs
+  auto dot_head = [&](const T* k, int64_t h) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; ++c) acc = _mm512_fmadd_ps(qv[h * C + c], widen16(k + 16 * c), acc);
+    return acc;
+  };
+#endif
   // Read token by token, all heads of a token in turn: the order the pool lies in memory (head
   // by head, 16 strided streams, ran slower). Each (token, head) leaves a register of partial
   // sums, reduced per head after.
@@ -136,11 +168,7 @@ void keys_bf16(float* scores, const T* q, int64_t q_head, int64_t q_dim, int64_t
     for (int64_t i = 0; i < CHUNK; ++i) {
       prefetch_row(ahead[i], row);
       for (int64_t h = 0; h < heads; ++h) {
-        __m512 acc = _mm512_setzero_ps();
-        if (i < n)
-          for (int64_t c = 0; c < C; ++c)
-            acc = _mm512_dpbf16_ps(acc, qb[h * C + c], (__m512bh)_mm512_loadu_si512(rows[i] + (h / group) * D + 32 * c));
-        part[h * CHUNK + i] = acc;
+        part[h * CHUNK + i] = i < n ? dot_head(rows[i] + (h / group) * D, h) : _mm512_setzero_ps();
       }
     }
     for (int64_t h = 0; h < heads; ++h) {
@@ -168,11 +196,8 @@ void values_bf16(float* acc, const float* p, int64_t heads, int64_t group, int64
         const __m512 weight = _mm512_set1_ps(p[h * len + t0 + i]);
         const T* v_row = rows[i] + (h / group) * D;
         float* sum = acc + h * D;
-        for (int64_t c = 0; c < C; ++c) {
-          const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_row + 16 * c));
-          const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-          _mm512_storeu_ps(sum + 16 * c, _mm512_fmadd_ps(weight, v, _mm512_loadu_ps(sum + 16 * c)));
-        }
+        for (int64_t c = 0; c < C; ++c)
+          _mm512_storeu_ps(sum + 16 * c, _mm512_fmadd_ps(weight, widen16(v_row + 16 * c), _mm512_loadu_ps(sum + 16 * c)));
       }
     }
   }
