@@ -69,7 +69,8 @@ inline void tile(const uint32_t* x, int64_t x_pairs, const uint32_t* panel, int6
 #elif defined(TOKENFLEET_LINEAR_AVX512)
 // Tiles of 8 rows x 48 columns: 24 accumulators, 3 widened weight vectors and a broadcast. With
 // 64-column panels (6 x 4) GCC spilled accumulators to the stack in the widening's shadow: 122-132
-// GFLOP/s on one Ice Lake-class core against 166-172 for 8 x 3 (peak 173; a scratch benchmark).
+// GFLOP/s on one core of a Xeon whose VM hides AVX512-BF16, against 166-172 for 8 x 3 (FMA peak 173;
+// a scratch benchmark).
 constexpr int64_t PANEL = 48;
 constexpr int64_t ROWS = 8;
 
@@ -138,7 +139,7 @@ inline __m256i round_to_bf16(__m512 s) {
 template <typename X>
 void run_tile(int64_t rows, const X* x, int64_t x_pairs, const uint32_t* panel, int64_t pairs, int64_t cols,
               float* out) {
-  static_assert(ROWS <= 8, "tiles of up to 8 rows");
+  static_assert(ROWS <= 8, "tiles of up to 8 rows");  // rows <= ROWS: a 6-row build never sees 7 or 8
   switch (rows) {
     case 8: tile<8 <= ROWS ? 8 : 1>(x, x_pairs, panel, pairs, cols, out); break;
     case 7: tile<7 <= ROWS ? 7 : 1>(x, x_pairs, panel, pairs, cols, out); break;
