@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from conftest import TEST_DEVICE
+from conftest import TEST_DEVICE, Reference
 
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
 from tokenfleet.protocol import Request
@@ -281,6 +281,30 @@ def test_compiled_decode_equals_generate(tiny_model, reference):
     got = _greedy_batch(compiled, reference, PROMPTS, max_new=10)
     for i, prompt in enumerate(PROMPTS):
         assert got[f"r{i}"] == reference.greedy(reference.ids(prompt), 10, ignore_eos=True), prompt
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_two_compiled_engines_in_one_process_each_run_their_own_weights(tiny_model, reference, tmp_path):
+    """Compiled graphs freeze the weights in as constants and skip most guards on the model's
+    modules (keep_guards): a second model of the same class, compiled in the same process, must
+    still get graphs of its own, and the first engine keep its."""
+    from tokenfleet.models import init_model
+
+    other_dir = str(init_model(tmp_path / "other", "tiny", seed=1))
+    other_reference = Reference(other_dir)
+    kv = KVCacheConfig(block_size=4, num_blocks=256)
+    first, second = (
+        Engine(d, device=TEST_DEVICE, dtype="float32", kv=kv, compile=True, max_batch_size=8)
+        for d in (tiny_model, other_dir)
+    )
+    prompts = PROMPTS[:3]
+    for eng, ref in ((first, reference), (second, other_reference), (first, reference)):
+        got = _greedy_batch(eng, ref, prompts, max_new=6)
+        for i, prompt in enumerate(prompts):
+            assert got[f"r{i}"] == ref.greedy(ref.ids(prompt), 6, ignore_eos=True), prompt
+    assert other_reference.greedy(other_reference.ids(prompts[0]), 6, ignore_eos=True) != reference.greedy(
+        reference.ids(prompts[0]), 6, ignore_eos=True
+    ), "the two random models must differ for this test to mean anything"
 
 
 def test_prefill_attention_groups_prompts_of_similar_length():

@@ -125,7 +125,11 @@ class Engine:
         # prefill shapes vary with every batch: one graph with dynamic sizes (its GEMMs are not
         # autotuned; the gain is fused norms, rotary and activations)
         self._compiled_prefill = (
-            torch.compile(self.model.base_model, dynamic=True, options={"max_autotune": False})
+            torch.compile(
+                self.model.base_model,
+                dynamic=True,
+                options={"max_autotune": False, "guard_filter_fn": keep_guards},
+            )
             if compile
             else None
         )
@@ -336,7 +340,7 @@ class Engine:
         torch._dynamo.config.cache_size_limit = max(
             torch._dynamo.config.cache_size_limit, 4 * len(self.decode_buckets)
         )
-        return torch.compile(self.model.base_model, dynamic=False)
+        return torch.compile(self.model.base_model, dynamic=False, options={"guard_filter_fn": keep_guards})
 
     @torch.inference_mode()
     def warm_up(self) -> float:
@@ -367,6 +371,18 @@ class Engine:
                 for key in keys:
                     self.allocator.free(key)
         return time.perf_counter() - start
+
+
+def keep_guards(entries: list) -> list[bool]:
+    """Which of a compiled graph's guards run before every call: all but those on the model's
+    modules (about 700 of 950 for a 4-layer Llama), whose hooks and attributes the engine never
+    changes after loading. The identity of every parameter and buffer stays checked: frozen into
+    the graph as constants, they tie it to this model, so another engine's model of the same
+    class never runs it. On an AMX Xeon the guard check of a batch-32 decode step went from 0.53
+    to 0.32 ms (4-layer model) and from 0.88 to 0.64 ms (12 layers)."""
+    return [
+        not e.orig_guard.source.is_unspecialized_nn_module() or e.guard_type == "ID_MATCH" for e in entries
+    ]
 
 
 def prefill_padded_size(tokens: int) -> int:
