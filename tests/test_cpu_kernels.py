@@ -26,7 +26,7 @@ def assert_close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) 
     torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-def packed_prompts(lengths, heads, kv_heads, head_dim, dtype, seed=0):
+def packed_prompts(lengths, heads, kv_heads, head_dim, dtype, seed=0, block=BLOCK):
     """Queries/keys/values laid end to end as the model hands them over ([1, heads, N, D] views of
     [1, N, heads, D]), a pool, and where each token's K/V go in it (each prompt in its own blocks)."""
     gen = torch.Generator().manual_seed(seed)
@@ -36,10 +36,10 @@ def packed_prompts(lengths, heads, kv_heads, head_dim, dtype, seed=0):
         return torch.randn(1, total, h, head_dim, generator=gen).to(dtype).transpose(1, 2)
 
     q, k, v = heads_view(heads), heads_view(kv_heads), heads_view(kv_heads)
-    blocks = [(n + BLOCK - 1) // BLOCK for n in lengths]
-    pool = torch.zeros(sum(blocks) + 1, BLOCK, kv_heads, head_dim, dtype=dtype)
+    blocks = [(n + block - 1) // block for n in lengths]
+    pool = torch.zeros(sum(blocks) + 1, block, kv_heads, head_dim, dtype=dtype)
     first = torch.cumsum(torch.tensor([0] + blocks[:-1]), 0)
-    places = [(int(first[i]) + t // BLOCK, t % BLOCK) for i, n in enumerate(lengths) for t in range(n)]
+    places = [(int(first[i]) + t // block, t % block) for i, n in enumerate(lengths) for t in range(n)]
     write_blocks = torch.tensor([b for b, _ in places], dtype=torch.long)
     write_offsets = torch.tensor([o for _, o in places], dtype=torch.long)
     return q, k, v, pool, pool.clone(), write_blocks, write_offsets
@@ -74,28 +74,41 @@ def test_prefill_operator_equals_sdpa_per_prompt(
 
 
 @pytest.mark.parametrize(
-    "lengths, heads, kv_heads, head_dim, dtype",
+    "lengths, heads, kv_heads, head_dim, dtype, block",
     [
-        ([9, 1, 40], 4, 2, 64, torch.float32),
-        ([9, 1, 40], 4, 2, 64, torch.bfloat16),
+        ([9, 1, 40], 4, 2, 64, torch.float32, BLOCK),
+        ([9, 1, 40], 4, 2, 64, torch.bfloat16, BLOCK),
         # the bf16 vector code works on 16 tokens at a time: lengths on both sides of that
-        ([15, 16, 31, 160], 12, 12, 64, torch.bfloat16),
-        ([47, 3], 8, 2, 128, torch.bfloat16),
-        ([20, 5], 4, 4, 80, torch.bfloat16),  # a head size the vector code leaves to the plain loops
+        ([15, 16, 31, 160], 12, 12, 64, torch.bfloat16, BLOCK),
+        ([47, 3], 8, 2, 128, torch.bfloat16, BLOCK),
+        ([20, 5], 4, 4, 80, torch.bfloat16, BLOCK),  # a head size the vector code leaves to the plain loops
+        # blocks smaller and larger than those 16 tokens, lying in the pool in shuffled order
+        ([15, 16, 37, 70], 4, 2, 64, torch.bfloat16, 4),
+        ([15, 16, 37, 70], 4, 2, 64, torch.bfloat16, 24),
     ],
 )
-def test_decode_operator_equals_sdpa_over_the_pool(lengths, heads, kv_heads, head_dim, dtype):
+def test_decode_operator_equals_sdpa_over_the_pool(lengths, heads, kv_heads, head_dim, dtype, block):
     """Sequences whose earlier tokens sit in the pool, one new token each."""
     totals = [n + 1 for n in lengths]
-    q, k, v, k_pool, v_pool, blocks, offsets = packed_prompts(totals, heads, kv_heads, head_dim, dtype)
+    q, k, v, k_pool, v_pool, blocks, offsets = packed_prompts(
+        totals, heads, kv_heads, head_dim, dtype, block=block
+    )
+    if block != BLOCK:  # the same layout with every block moved to a random place in the pool
+        move = torch.randperm(k_pool.shape[0], generator=torch.Generator().manual_seed(1))
+        blocks = move[blocks]
     ends = torch.cumsum(torch.tensor(totals), 0)
     last = ends - 1  # each sequence's newest token: written and attended by the decode operator
     history = torch.cat([torch.arange(int(e) - n - 1, int(e) - 1) for e, n in zip(ends, lengths)])
     k_pool[blocks[history], offsets[history]] = k[0].transpose(0, 1)[history]
     v_pool[blocks[history], offsets[history]] = v[0].transpose(0, 1)[history]
-    first_block = blocks[ends - torch.tensor(lengths) - 1]
-    width = (max(totals) + BLOCK - 1) // BLOCK  # a table row per sequence, past its end unused
-    tables = torch.stack([(first_block + i).clamp(max=k_pool.shape[0] - 1) for i in range(width)], 1)
+    width = (max(totals) + block - 1) // block  # a table row per sequence, past its end unused
+    starts = (ends - torch.tensor(totals)).tolist()
+    tables = torch.stack(
+        [
+            torch.tensor([int(blocks[min(s + i * block, s + n - 1)]) for i in range(width)])
+            for s, n in zip(starts, totals)
+        ]
+    )
     step = [t[0, :, last].transpose(0, 1)[:, :, None] for t in (q, k, v)]  # [B, heads, 1, D]
     out = torch.ops.tokenfleet.paged_decode(
         *step, k_pool, v_pool, blocks[last], offsets[last], tables, torch.tensor(totals), head_dim**-0.5

@@ -78,12 +78,21 @@ constexpr int64_t CHUNK = 16;  // tokens the bf16 paths take at a time (one regi
 
 // rows[i] = token t0 + i's row of one layer's pool (all KV heads) for the chunk's n tokens, and
 // ahead[i] the row of token t0 + CHUNK + i (the next chunk's; the last row again past the end).
+// The tokens are consecutive: one division for the chunk, then the block and the offset in it
+// step along (a division per token cost more than the dot products of a small model's 2-4 heads).
 template <typename T>
 void chunk_rows(const T** rows, const T** ahead, const T* cache, const int64_t* table, int64_t t0, int64_t n,
                 int64_t len, int64_t block_size, int64_t block_stride, int64_t row) {
-  auto at = [&](int64_t t) { return cache + table[t / block_size] * block_stride + (t % block_size) * row; };
-  for (int64_t i = 0; i < n; ++i) rows[i] = at(t0 + i);
-  for (int64_t i = 0; i < CHUNK; ++i) ahead[i] = at(std::min(t0 + CHUNK + i, len - 1));
+  int64_t block = t0 / block_size, offset = t0 - block * block_size;
+  const T* last = nullptr;  // the row of min(t, len - 1)
+  for (int64_t i = 0; i < 2 * CHUNK; ++i) {
+    if (t0 + i < len) {
+      last = cache + table[block] * block_stride + offset * row;
+      if (++offset == block_size) offset = 0, ++block;
+    }
+    if (i >= CHUNK) ahead[i - CHUNK] = last;
+    else if (i < n) rows[i] = last;
+  }
 }
 
 // Asks for one row ahead of use, into L2. A sequence's blocks lie anywhere in the pool and the
