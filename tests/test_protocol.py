@@ -40,6 +40,12 @@ def test_msgpack_round_trip():
         reply_ttl_s=60,
     )
     assert protocol.decode_request(protocol.encode_request(req)) == req
+    assert req.to_wire()["input_ids"] == [0, 5, 6]  # lists on the wire, as other languages send
+    plain = Request(id="r2", prompt="hi").to_wire()  # unset options stay off the wire
+    assert not {"input_ids", "seed", "stop", "stop_token_ids", "deadline_ms", "extra"} & set(plain)
+    assert protocol.decode_request(protocol.encode_request(Request(id="r2", prompt="hi"))) == Request(
+        id="r2", prompt="hi"
+    )
 
 
 def test_plain_fields_as_redis_cli_sends_them():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import msgpack
@@ -170,7 +170,9 @@ class Request:
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack-ready map of this request, without defaults' noise."""
-        body = {k: v for k, v in asdict(self).items() if k != "extra" and v is not None}
+        # the fields are flat: no deep copy (``asdict`` made one per prompt token, ~1 us each)
+        values = ((f.name, getattr(self, f.name)) for f in fields(self) if f.name != "extra")
+        body = {k: v for k, v in values if v is not None}
         for k in ("input_ids", "stop", "stop_token_ids"):
             if k in body:
                 body[k] = list(body[k])
