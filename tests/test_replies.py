@@ -48,6 +48,49 @@ def test_followers_get_their_own_entries_and_a_new_one_ends_a_blocked_read(redis
     assert not wake_left  # close() removes the client's wake-up stream
 
 
+def test_followers_starting_together_share_one_wake_up(redis_url, prefix, monkeypatch):
+    # a follower left without a wake-up would wait out a blocked read of 30 s
+    monkeypatch.setattr(replies_module, "READ_BLOCK_MS", 30_000)
+    keys = Keys(prefix)
+    streams = [keys.reply_stream(f"s{i}") for i in range(32)]
+
+    async def go():
+        conn = aioredis.Redis.from_url(redis_url)
+        reader = ReplyReader(conn, keys, give_up_s=5)
+        pipelines = 0
+        pipeline = conn.pipeline
+
+        def counting_pipeline(*args, **kwargs):
+            nonlocal pipelines
+            pipelines += 1
+            return pipeline(*args, **kwargs)
+
+        conn.pipeline = counting_pipeline
+        try:
+            await reader.follow(keys.reply_stream("first"))
+            await asyncio.sleep(0.2)  # the read is now blocked on the first stream alone
+            inboxes = await asyncio.gather(*(reader.follow(s) for s in streams))
+            for n, stream in enumerate(streams):
+                await conn.xadd(stream, {"n": n})
+            got = [await asyncio.wait_for(inbox.get(), 5) for inbox in inboxes]
+            connections = len(conn.connection_pool._available_connections) + len(
+                conn.connection_pool._in_use_connections
+            )
+            for stream in [keys.reply_stream("first"), *streams]:
+                reader.unfollow(stream)
+            await reader.close()
+            return got, pipelines, connections
+        finally:
+            await conn.aclose()
+
+    got, pipelines, connections = asyncio.run(go())
+    assert [[fields[b"n"] for _, fields in entries] for entries in got] == [
+        [str(n).encode()] for n in range(32)
+    ]
+    assert pipelines == 1  # one wake-up for the 32 followers, where each used to send its own
+    assert connections <= 3  # the read's, the wake-up's, the writes': not one per follower
+
+
 def test_a_client_streaming_many_requests_reads_once_per_step(
     run_worker, redis_url, prefix, model_path, reference
 ):

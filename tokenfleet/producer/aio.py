@@ -91,7 +91,7 @@ class AsyncClient(ClientBase):
         try:
             while True:
                 next_block_ms(request_id, deadline, timeout)  # raises past the deadline
-                entries = inbox.get_nowait() if not inbox.empty() else await inbox.get()
+                entries = await inbox.get()
                 if isinstance(entries, BaseException):
                     raise entries
                 for _, fields in entries:
