@@ -104,9 +104,15 @@ def test_invalid_fields_get_an_error_reply_with_stable_code(kw):
     assert e.request_id == "x1" and not e.dead_letter
 
 
-def test_input_ids_must_be_small_non_negative_ints():
-    e = err({b"m": msgpack.packb({"id": "x1", "input_ids": [1, -2]})})
+@pytest.mark.parametrize("ids", [[1, -2], [1, True], [2.0, 1], [1, 1 << 31], [1, "2"], [[1]]])
+def test_input_ids_must_be_small_non_negative_ints(ids):
+    e = err({b"m": msgpack.packb({"id": "x1", "input_ids": ids})})
     assert e.code == ErrorCode.INVALID_REQUEST
+
+
+def test_input_ids_at_the_bounds_are_taken():
+    fields = {b"m": msgpack.packb({"id": "x1", "input_ids": [0, (1 << 31) - 1]})}
+    assert protocol.decode_request(fields).input_ids == (0, (1 << 31) - 1)
 
 
 @pytest.mark.parametrize(

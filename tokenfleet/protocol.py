@@ -236,9 +236,10 @@ def _as_int_list(rid: str | None, name: str, value: Any, max_len: int) -> tuple[
         raise _bad(rid, f"{name} must be a list of integers")
     if len(value) > max_len:
         raise _bad(rid, f"{name} holds {len(value)} items; at most {max_len} allowed")
-    for x in value:
-        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < (1 << 31):
-            raise _bad(rid, f"{name} must hold integers in [0, 2^31)")
+    # checked in C (a Python loop per item took ~0.7 ms of the worker's loop for a 4k-token
+    # prompt); ``type(x) is int`` also turns away bools, which msgpack's true/false become
+    if value and (set(map(type, value)) != {int} or min(value) < 0 or max(value) >= 1 << 31):
+        raise _bad(rid, f"{name} must hold integers in [0, 2^31)")
     return tuple(value)
 
 
