@@ -329,6 +329,52 @@ def test_a_decode_step_costs_one_redis_round_trip(engine, redis_url, prefix, mod
     assert per_step <= 1.2, f"{per_step:.2f} round trips per decode step"
 
 
+def test_steps_with_nothing_to_send_share_a_round_trip(engine, redis_url, prefix, model_path, monkeypatch):
+    """Under a stream interval most steps send nothing: the round trip that would only read new
+    work and cancels then goes every EXCHANGE_EVERY_S, not after every step; cancels still act."""
+    from tokenfleet.config import WorkerConfig
+    from tokenfleet.worker import loop
+    from tokenfleet.worker.loop import Worker
+
+    monkeypatch.setattr(loop, "EXCHANGE_EVERY_S", 0.05)
+    counting, connection = counting_client(redis_url)
+    at_decode: list[int] = []
+
+    def on_batch(event):
+        if event.kind == "decode":
+            at_decode.append(connection.sends)
+
+    batching = DynamicBatchingConfig(
+        max_wait_ms=50, max_batch_size=8, max_seq_len=256, buckets=(64,), mode="continuous"
+    )
+    config = WorkerConfig(
+        model="unused", redis_url=redis_url, prefix=prefix, batching=batching, stream_interval_ms=10_000
+    )
+    worker = Worker(config, engine=engine, client=counting, on_batch=on_batch)
+    worker.setup()
+    worker.setup_done = True
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        client = Client(redis_url, model=str(model_path), prefix=prefix)
+        handles = [client.submit(f"prompt {i}", max_new_tokens=40, ignore_eos=True) for i in range(7)]
+        doomed = client.submit("cancel me", max_new_tokens=150, ignore_eos=True)
+        next(iter(doomed.stream(timeout=120)))  # running: its first token is out
+        doomed.cancel()
+        results = [h.result(timeout=120) for h in handles]
+        cancelled = doomed.result(timeout=120)
+    finally:
+        worker.stop()
+        thread.join(timeout=60)
+    assert all(len(res.token_ids) == 40 for res in results)
+    assert cancelled.finish_reason == "cancelled" and len(cancelled.token_ids) < 150
+    steps = len(at_decode) - 1
+    assert steps >= 38
+    per_step = (at_decode[-1] - at_decode[0]) / steps
+    # a round trip per step before; now about one per 50 ms, and with the first and last tokens
+    assert per_step <= 0.6, f"{per_step:.2f} round trips per decode step"
+
+
 def test_replies_queued_during_a_lost_round_trip_go_after_the_ones_it_carried(redis_url, prefix, r):
     """Events queued while a round trip is in flight wait behind what it carries; if it is lost,
     its events are put back in front, so a request's events still land in index order."""

@@ -42,7 +42,8 @@ class CancelWatch:
 
     def cancelled(self, held: list[SeqState], streamed: object = NOT_READ) -> set[Hashable]:
         """Keys of the held sequences that were cancelled: by the stream (read here unless a
-        shared pipeline's reply is given) and by the flags of sequences not checked before."""
+        shared pipeline's reply is given; None when it is not read this turn, its cancels left
+        for the next read) and by the flags of sequences not checked before."""
         new = [seq for seq in held if seq.key not in self._checked]
         flags: list = []
         if new or streamed is NOT_READ:
