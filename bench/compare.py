@@ -86,6 +86,14 @@ class Req:
     arrival_s: float
 
 
+def max_seq_len_for(reqs: list[Req]) -> int:
+    """The tokenfleet rows' ``max_seq_len``: room for the longest request, and twice the bucket
+    of the longest prompt (their one bucket is half of it)."""
+    bucket = 1 << (max(len(r.prompt_ids) for r in reqs) - 1).bit_length()
+    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs)
+    return max(2 * bucket, 1 << (longest - 1).bit_length())
+
+
 def make_workload(kind: str, n: int, prompt_len: int, new_tokens: int, rate: float, seed: int) -> list[Req]:
     from tokenfleet.models import VOCAB_SIZE
 
@@ -285,44 +293,67 @@ def run_hf_cb(model, reqs: list[Req], max_batch_size: int) -> dict:
     return summarize("hf-generate-batch-cb", traces, wall, "transformers ContinuousBatchingManager")
 
 
-def run_engine(
-    model_dir: str,
-    dtype: str,
-    reqs: list[Req],
-    max_batch_size: int,
-    max_seq_len: int,
-    compile: bool = False,
-    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
-    device: str = "cpu",
-) -> dict:
-    from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
-    from tokenfleet.protocol import Request
-    from tokenfleet.worker.engine import Engine
-    from tokenfleet.worker.scheduler import Scheduler
-    from tokenfleet.worker.sequence import SeqState
+class InProcessEngine:
+    """tokenfleet's engine and scheduler in this process (continuous batching, no Redis), built and
+    warmed up (compiled, when asked) once; :meth:`burst` serves requests at their arrival times."""
 
-    kv = KVCacheConfig(num_blocks=pool_blocks(reqs, max_batch_size))
-    engine = Engine(
-        model_dir, device=device, dtype=dtype, kv=kv, compile=compile, max_batch_size=max_batch_size
-    )
-    engine.warm_up()  # compiles (when asked) before the clock starts, as the worker does
-    batching = DynamicBatchingConfig(
-        mode="continuous",
-        max_wait_ms=0,
-        max_batch_size=max_batch_size,
-        max_seq_len=max_seq_len,
-        buckets=(max_seq_len // 2,),
-        max_prefill_tokens=max_prefill_tokens,
-    )
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: str,
+        reqs: list[Req],
+        max_batch_size: int,
+        max_seq_len: int,
+        compile: bool = False,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        device: str = "cpu",
+    ):
+        from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
+        from tokenfleet.worker.engine import Engine
 
-    def seq(i: int, req: Req, arrival: float) -> SeqState:
-        request = Request(
-            id=f"r{i}", input_ids=tuple(req.prompt_ids), max_new_tokens=req.max_new_tokens, ignore_eos=True
+        kv = KVCacheConfig(num_blocks=pool_blocks(reqs, max_batch_size))
+        self.engine = Engine(
+            model_dir, device=device, dtype=dtype, kv=kv, compile=compile, max_batch_size=max_batch_size
         )
-        return SeqState(i, request, list(req.prompt_ids), engine.tokenizer, engine.eos_token_ids, arrival)
+        self.engine.warm_up()  # compiles (when asked) before the clock starts, as the worker does
+        self.batching = DynamicBatchingConfig(
+            mode="continuous",
+            max_wait_ms=0,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            buckets=(max_seq_len // 2,),
+            max_prefill_tokens=max_prefill_tokens,
+        )
+        self.note = (
+            f"scheduler + paged engine, continuous, in process, max_prefill_tokens {max_prefill_tokens}"
+        )
+        self.note += ", --compile" if compile else ""
+        self._serve([(Req([3, 4, 5], 2, 0.0), Trace(0.0))])  # warm-up
 
-    def serve(batch: list[tuple[Req, Trace]]) -> None:
-        sched = Scheduler(engine, batching)
+    def burst(self, reqs: list[Req]) -> tuple[list[Trace], float]:
+        """Serve ``reqs`` (each at its ``arrival_s``); their traces and the wall time it took."""
+        traces = [Trace(0.0) for _ in reqs]
+        start = time.perf_counter()
+        self._serve(list(zip(reqs, traces)))
+        return traces, time.perf_counter() - start
+
+    def _serve(self, batch: list[tuple[Req, Trace]]) -> None:
+        from tokenfleet.protocol import Request
+        from tokenfleet.worker.scheduler import Scheduler
+        from tokenfleet.worker.sequence import SeqState
+
+        engine = self.engine
+
+        def seq(i: int, req: Req, arrival: float) -> SeqState:
+            request = Request(
+                id=f"r{i}",
+                input_ids=tuple(req.prompt_ids),
+                max_new_tokens=req.max_new_tokens,
+                ignore_eos=True,
+            )
+            return SeqState(i, request, list(req.prompt_ids), engine.tokenizer, engine.eos_token_ids, arrival)
+
+        sched = Scheduler(engine, self.batching)
         start = time.perf_counter()
         for req, trace in batch:
             trace.arrival = start + req.arrival_s
@@ -343,23 +374,48 @@ def run_engine(
                 trace.token_times.append(stamp)
                 left -= out.finished
 
-    serve([(Req([3, 4, 5], 2, 0.0), Trace(0.0))])  # warm-up
-    traces = [Trace(0.0) for _ in reqs]
-    start = time.perf_counter()
-    serve(list(zip(reqs, traces)))
-    return summarize(
-        "tokenfleet-engine" + ("-compile" if compile else ""),
-        traces,
-        time.perf_counter() - start,
-        f"scheduler + paged engine, continuous, in process, max_prefill_tokens {max_prefill_tokens}"
-        + (", --compile" if compile else ""),
+
+def run_engine(
+    model_dir: str,
+    dtype: str,
+    reqs: list[Req],
+    max_batch_size: int,
+    max_seq_len: int,
+    compile: bool = False,
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+    device: str = "cpu",
+) -> dict:
+    runner = InProcessEngine(
+        model_dir, dtype, reqs, max_batch_size, max_seq_len, compile, max_prefill_tokens, device
     )
+    traces, wall = runner.burst(reqs)
+    return summarize("tokenfleet-engine" + ("-compile" if compile else ""), traces, wall, runner.note)
 
 
 def pool_blocks(reqs: list[Req], max_batch_size: int, block_size: int = 16) -> int:
     """A KV pool that holds ``max_batch_size`` of the longest requests (no preemption)."""
     longest = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs)
     return max_batch_size * (-(-longest // block_size) + 1)
+
+
+def worker_flags(
+    dtype: str,
+    reqs: list[Req],
+    max_batch_size: int,
+    max_seq_len: int,
+    wait_ms: float,
+    stream_interval_ms: float,
+    compile: bool,
+    max_prefill_tokens: int,
+) -> list[str]:
+    """``tokenfleet worker`` flags for the end-to-end rows: continuous batching, one bucket that
+    holds the workload, a KV pool that holds a full batch of its longest requests."""
+    flags = ["--dtype", dtype, "--buckets", str(max_seq_len // 2), "--max-seq-len", str(max_seq_len)]
+    flags += ["--mode", "continuous", "--max-wait-ms", str(wait_ms), "--max-batch-size", str(max_batch_size)]
+    flags += ["--num-blocks", str(pool_blocks(reqs, max_batch_size))]
+    flags += ["--max-prefill-tokens", str(max_prefill_tokens)]
+    flags += ["--stream-interval-ms", str(stream_interval_ms), "--compile" if compile else "--no-compile"]
+    return flags
 
 
 def run_e2e(
@@ -382,21 +438,10 @@ def run_e2e(
     from tokenfleet.producer import AsyncClient
 
     prefix = f"compare-{os.getpid()}"
-    flags = [
-        "--device",
-        device,
-        "--dtype",
-        dtype,
-        "--buckets",
-        str(max_seq_len // 2),
-        "--max-seq-len",
-        str(max_seq_len),
-    ]
-    flags += ["--mode", "continuous", "--max-wait-ms", str(wait_ms), "--max-batch-size", str(max_batch_size)]
-    flags += ["--num-blocks", str(pool_blocks(reqs, max_batch_size))]
-    flags += ["--max-prefill-tokens", str(max_prefill_tokens)]
-    flags += ["--stream-interval-ms", str(stream_interval_ms), "--compile" if compile else "--no-compile"]
-    flags += ["--overlap-io", overlap_io]
+    flags = worker_flags(
+        dtype, reqs, max_batch_size, max_seq_len, wait_ms, stream_interval_ms, compile, max_prefill_tokens
+    )
+    flags += ["--device", device, "--overlap-io", overlap_io]
     flags += ["--threads", str(threads)] if threads else []
     env = allocator_env()
     with EmbeddedRedis() as server, worker_process(server.url, prefix, model_dir, flags, env) as worker:
@@ -687,9 +732,7 @@ def main() -> None:
 
     model_dir = model_or_built(args.model, args.size)
     reqs = make_workload(args.workload, args.requests, args.prompt_len, args.new_tokens, args.rate, args.seed)
-    bucket = 1 << (max(len(r.prompt_ids) for r in reqs) - 1).bit_length()
-    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs)
-    max_seq_len = max(2 * bucket, 1 << (longest - 1).bit_length())
+    max_seq_len = max_seq_len_for(reqs)
     rows = args.only.split(",") if args.only else list(ROWS)
     if args.device != "cpu":
         rows = [r for r in rows if not r.startswith("vllm")]
