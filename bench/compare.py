@@ -48,6 +48,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from bench.common import TCMALLOC, allocator_env, model_or_built, percentile, worker_process
 from tokenfleet.config import DEFAULT_MAX_PREFILL_TOKENS
@@ -311,6 +312,7 @@ class InProcessEngine:
         from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
         from tokenfleet.worker.engine import Engine
 
+        self.reqs = reqs  # the workload its KV pool is sized for
         kv = KVCacheConfig(num_blocks=pool_blocks(reqs, max_batch_size))
         self.engine = Engine(
             model_dir, device=device, dtype=dtype, kv=kv, compile=compile, max_batch_size=max_batch_size
@@ -375,21 +377,13 @@ class InProcessEngine:
                 left -= out.finished
 
 
-def run_engine(
-    model_dir: str,
-    dtype: str,
-    reqs: list[Req],
-    max_batch_size: int,
-    max_seq_len: int,
-    compile: bool = False,
-    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
-    device: str = "cpu",
-) -> dict:
-    runner = InProcessEngine(
-        model_dir, dtype, reqs, max_batch_size, max_seq_len, compile, max_prefill_tokens, device
-    )
-    traces, wall = runner.burst(reqs)
-    return summarize("tokenfleet-engine" + ("-compile" if compile else ""), traces, wall, runner.note)
+def run_engine(*args: Any, **kwargs: Any) -> dict:
+    """The ``tokenfleet-engine`` rows: one burst on a fresh :class:`InProcessEngine` (same
+    arguments)."""
+    runner = InProcessEngine(*args, **kwargs)
+    traces, wall = runner.burst(runner.reqs)
+    name = "tokenfleet-engine" + ("-compile" if kwargs.get("compile") else "")
+    return summarize(name, traces, wall, runner.note)
 
 
 def pool_blocks(reqs: list[Req], max_batch_size: int, block_size: int = 16) -> int:

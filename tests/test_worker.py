@@ -292,9 +292,12 @@ def counting_client(redis_url: str):
     return redis.Redis.from_url(redis_url, connection_class=Counted), Counted
 
 
-def test_a_decode_step_costs_one_redis_round_trip(engine, redis_url, prefix, model_path):
-    """While a batch runs, the step's token events, the read of new work and the read of cancels
-    share one pipelined round trip (three before they were merged)."""
+def round_trips_per_decode_step(
+    redis_url, prefix, engine, config_kw: dict, drive
+) -> tuple[float, int, object]:
+    """Run a worker whose Redis connections count their round trips while ``drive()`` submits
+    and waits; returns round trips per decode step, the decode steps, and what ``drive``
+    returned."""
     from tokenfleet.config import WorkerConfig
     from tokenfleet.worker.loop import Worker
 
@@ -305,26 +308,38 @@ def test_a_decode_step_costs_one_redis_round_trip(engine, redis_url, prefix, mod
         if event.kind == "decode":
             at_decode.append(connection.sends)
 
-    batching = DynamicBatchingConfig(
-        max_wait_ms=50, max_batch_size=8, max_seq_len=128, buckets=(64,), mode="continuous"
-    )
-    config = WorkerConfig(model="unused", redis_url=redis_url, prefix=prefix, batching=batching)
+    config = WorkerConfig(model="unused", redis_url=redis_url, prefix=prefix, **config_kw)
     worker = Worker(config, engine=engine, client=counting, on_batch=on_batch)
     worker.setup()
     worker.setup_done = True
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:
-        client = Client(redis_url, model=str(model_path), prefix=prefix)
-        handles = [client.submit(f"prompt {i}", max_new_tokens=40, ignore_eos=True) for i in range(8)]
-        results = [h.result(timeout=120) for h in handles]
+        driven = drive()
     finally:
         worker.stop()
         thread.join(timeout=60)
-    assert all(len(res.token_ids) == 40 for res in results)
     steps = len(at_decode) - 1
+    return (at_decode[-1] - at_decode[0]) / steps, steps, driven
+
+
+def test_a_decode_step_costs_one_redis_round_trip(engine, redis_url, prefix, model_path):
+    """While a batch runs, the step's token events, the read of new work and the read of cancels
+    share one pipelined round trip (three before they were merged)."""
+    batching = DynamicBatchingConfig(
+        max_wait_ms=50, max_batch_size=8, max_seq_len=128, buckets=(64,), mode="continuous"
+    )
+
+    def drive():
+        client = Client(redis_url, model=str(model_path), prefix=prefix)
+        handles = [client.submit(f"prompt {i}", max_new_tokens=40, ignore_eos=True) for i in range(8)]
+        return [h.result(timeout=120) for h in handles]
+
+    per_step, steps, results = round_trips_per_decode_step(
+        redis_url, prefix, engine, {"batching": batching}, drive
+    )
+    assert all(len(res.token_ids) == 40 for res in results)
     assert steps >= 38
-    per_step = (at_decode[-1] - at_decode[0]) / steps
     # one per step; the odd heartbeat or a turn that admitted new requests may add one
     assert per_step <= 1.2, f"{per_step:.2f} round trips per decode step"
 
@@ -332,45 +347,27 @@ def test_a_decode_step_costs_one_redis_round_trip(engine, redis_url, prefix, mod
 def test_steps_with_nothing_to_send_share_a_round_trip(engine, redis_url, prefix, model_path, monkeypatch):
     """Under a stream interval most steps send nothing: the round trip that would only read new
     work and cancels then goes every EXCHANGE_EVERY_S, not after every step; cancels still act."""
-    from tokenfleet.config import WorkerConfig
     from tokenfleet.worker import loop
-    from tokenfleet.worker.loop import Worker
 
     monkeypatch.setattr(loop, "EXCHANGE_EVERY_S", 0.05)
-    counting, connection = counting_client(redis_url)
-    at_decode: list[int] = []
-
-    def on_batch(event):
-        if event.kind == "decode":
-            at_decode.append(connection.sends)
-
     batching = DynamicBatchingConfig(
         max_wait_ms=50, max_batch_size=8, max_seq_len=256, buckets=(64,), mode="continuous"
     )
-    config = WorkerConfig(
-        model="unused", redis_url=redis_url, prefix=prefix, batching=batching, stream_interval_ms=10_000
-    )
-    worker = Worker(config, engine=engine, client=counting, on_batch=on_batch)
-    worker.setup()
-    worker.setup_done = True
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    try:
+
+    def drive():
         client = Client(redis_url, model=str(model_path), prefix=prefix)
         handles = [client.submit(f"prompt {i}", max_new_tokens=40, ignore_eos=True) for i in range(7)]
         doomed = client.submit("cancel me", max_new_tokens=150, ignore_eos=True)
         next(iter(doomed.stream(timeout=120)))  # running: its first token is out
         doomed.cancel()
-        results = [h.result(timeout=120) for h in handles]
-        cancelled = doomed.result(timeout=120)
-    finally:
-        worker.stop()
-        thread.join(timeout=60)
+        return [h.result(timeout=120) for h in handles], doomed.result(timeout=120)
+
+    per_step, steps, (results, cancelled) = round_trips_per_decode_step(
+        redis_url, prefix, engine, {"batching": batching, "stream_interval_ms": 10_000}, drive
+    )
     assert all(len(res.token_ids) == 40 for res in results)
     assert cancelled.finish_reason == "cancelled" and len(cancelled.token_ids) < 150
-    steps = len(at_decode) - 1
     assert steps >= 38
-    per_step = (at_decode[-1] - at_decode[0]) / steps
     # a round trip per step before; now about one per 50 ms, and with the first and last tokens
     assert per_step <= 0.6, f"{per_step:.2f} round trips per decode step"
 
