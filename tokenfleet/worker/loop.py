@@ -206,18 +206,18 @@ class Worker:
             log.error("redis refused a reply write: %s", error)
 
     def _turn(self) -> None:
-        if not self._exchange_due():
-            self._quiet_turn()
-            return
-        if self._overlapping():
+        due = self._exchange_due()
+        if due and self._overlapping():
             self._overlapped_turn()
             return
         t0 = time.perf_counter()
         cancels_read: object = NOT_READ
         if self.stopping:
             self._flush()
-        else:
+        elif due:
             cancels_read = self._intake()  # sends the last step's replies on the way
+        else:  # no round trip this turn (EXCHANGE_EVERY_S): cancels wait for the next read
+            cancels_read = None
         t1 = time.perf_counter()
         self._enforce_cancels_and_deadlines(cancels_read)
         t2 = time.perf_counter()
@@ -256,19 +256,6 @@ class Worker:
         if not (self._shared_round_trip and self.scheduler.busy and not self.stopping):
             return True
         return bool(len(self.outbox)) or time.monotonic() - self._last_exchange >= EXCHANGE_EVERY_S
-
-    def _quiet_turn(self) -> None:
-        """A step with no round trip (see EXCHANGE_EVERY_S): deadlines still act before it;
-        cancels wait for the next read of their stream."""
-        t0 = time.perf_counter()
-        self._enforce_cancels_and_deadlines(cancels_read=None)
-        t1 = time.perf_counter()
-        outputs = self._step()
-        t2 = time.perf_counter()
-        self._publish(outputs)
-        self._end_turn(outputs)
-        self.time_step_s += t2 - t1
-        self.time_redis_s += (t1 - t0) + (time.perf_counter() - t2)
 
     def _overlapped_turn(self) -> None:
         """The last step's replies go out and new work and cancels come in while this step
