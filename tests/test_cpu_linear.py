@@ -123,10 +123,10 @@ def test_bf16_and_float16_models_pack_only_what_oneDNN_float32_can_hold():
     assert pack_linears(half) == 0
 
 
-# -- tokenfleet's own bf16 kernel (AVX-512: VDPBF16PS with AVX512-BF16, float32 FMAs without) -----
+# -- tokenfleet's own bf16 kernel (VDPBF16PS with AVX512-BF16, float32 FMAs with AVX-512 or AVX2) --
 
 needs_kernel = pytest.mark.skipif(
-    not cpu_linear.bf16_kernel_available(), reason="tokenfleet::linear_bf16 needs a CPU with AVX-512"
+    not cpu_linear.bf16_kernel_available(), reason="tokenfleet::linear_bf16 needs a CPU with AVX-512 or AVX2"
 )
 
 
@@ -136,6 +136,7 @@ needs_kernel = pytest.mark.skipif(
     "rows, in_features, out_features",
     [
         (1, 96, 80),  # one row; fewer columns than a 64-column panel holds past the first
+        (3, 40, 25),  # a last panel of 9 columns (AVX2's 16-column panels: one vector and a bit)
         (7, 130, 100),  # a partial tile of 6 rows; a last panel of 36 columns
         (32, 256, 688),  # the tiny model's MLP at a decode batch
         (13, 33, 320),  # an odd number of input features: the pack pads a zero column
@@ -228,12 +229,12 @@ def test_auto_takes_the_bf16_kernel_only_where_it_measures_fastest(monkeypatch, 
     assert not cpu_linear.bf16_kernel_wanted(cpu, torch.bfloat16)
 
 
-def test_without_avx512_the_kernel_is_never_taken(monkeypatch, caplog):
+def test_without_avx512_or_avx2_the_kernel_is_never_taken(monkeypatch, caplog):
     monkeypatch.setattr(cpu_linear, "bf16_kernel_available", lambda: False)
     monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "kernel")
     with caplog.at_level(logging.WARNING, logger="tokenfleet.worker.cpu_linear"):
         assert not cpu_linear.bf16_kernel_wanted(torch.device("cpu"), torch.bfloat16)
-    assert "lacks AVX-512" in caplog.text
+    assert "lacks AVX-512 and AVX2" in caplog.text
 
 
 @needs_kernel

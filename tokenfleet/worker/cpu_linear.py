@@ -94,7 +94,8 @@ class KernelLinear(nn.Module):
 
 
 def bf16_kernel_available() -> bool:
-    """Whether ``tokenfleet::linear_bf16`` is built for this CPU (it needs AVX-512 F, BW and VL)."""
+    """Whether ``tokenfleet::linear_bf16`` is built for this CPU (it needs AVX-512 F, BW and VL, or
+    AVX2 and FMA)."""
     from tokenfleet.worker.cpu_kernels import paged_attention_kernels
 
     if paged_attention_kernels() is None:
@@ -102,7 +103,7 @@ def bf16_kernel_available() -> bool:
     try:
         packed = torch.ops.tokenfleet.pack_linear_bf16(torch.ones(2, 2, dtype=torch.bfloat16))
         torch.ops.tokenfleet.linear_bf16(torch.ones(1, 2, dtype=torch.bfloat16), packed, 2, None)
-    except RuntimeError:  # built without AVX-512
+    except RuntimeError:  # built without AVX-512 or AVX2
         return False
     return True
 
@@ -118,11 +119,8 @@ def bf16_linear_speeds(size: int = 1024, weights: int = 12, rounds: int = 3) -> 
     routes: dict[str, list] = {"kernel": [], "native": [], "float32": []}
     for _ in range(weights):
         linear = nn.Linear(size, size, bias=False, dtype=torch.bfloat16)
-        native = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), DECODE_ROWS_HINT)
         routes["kernel"].append(KernelLinear(linear))
-        routes["native"].append(
-            lambda x, w=native: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-        )
+        routes["native"].append(native_bf16_linear(linear.weight.detach()))
         routes["float32"].append(PackedLinear(linear))
 
     def best(layers: list, x: torch.Tensor) -> float:
@@ -141,6 +139,16 @@ def bf16_linear_speeds(size: int = 1024, weights: int = 12, rounds: int = 3) -> 
     return {name: (best(layers, decode_x), best(layers[:1], prefill_x)) for name, layers in routes.items()}
 
 
+def native_bf16_linear(weight: torch.Tensor):
+    """The library's bf16 linear on ``weight``: oneDNN's on a prepacked weight, or ``F.linear``
+    where oneDNN has no bf16 linear for this CPU (AVX2 only: emulated)."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, DECODE_ROWS_HINT)
+    except RuntimeError:
+        return lambda x: torch.nn.functional.linear(x, weight)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
 def bf16_kernel_wanted(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a bf16 model's linears take :class:`KernelLinear`: ``kernel`` asks for it (where it
     is built), ``auto`` measures it against oneDNN's bf16 and float32 GEMMs."""
@@ -151,7 +159,9 @@ def bf16_kernel_wanted(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if not bf16_kernel_available():
         if route == "kernel":
-            log.warning("TOKENFLEET_BF16_LINEAR=kernel, but this CPU lacks AVX-512: oneDNN GEMMs instead")
+            log.warning(
+                "TOKENFLEET_BF16_LINEAR=kernel, but this CPU lacks AVX-512 and AVX2: oneDNN GEMMs instead"
+            )
         return False
     if route == "kernel":
         return True

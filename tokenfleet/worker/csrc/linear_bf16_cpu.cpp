@@ -1,5 +1,5 @@
-// bf16 linears for CPUs with AVX-512: with AVX512-BF16 (and no AMX, where oneDNN's tile kernels
-// are faster) on VDPBF16PS; without it on float32 FMAs over the widened weight.
+// bf16 linears for CPUs with AVX-512 or AVX2: with AVX512-BF16 (and no AMX, where oneDNN's tile
+// kernels are faster) on VDPBF16PS; without it on float32 FMAs over the widened weight.
 //
 // The weight is packed once at load into 64-column panels, each a [K/2][64][2] array: for every
 // pair of input features, the pairs of 64 output features side by side, which is the operand
@@ -16,6 +16,9 @@
 // and a mask give the two exact float32 vectors; the input rows are widened to float32 once per
 // call. The products are exact in float32 and summed in float32, so the result is that of the
 // VDPBF16PS path up to the order of the sums. Decode reads half the bytes of a float32 weight.
+// With AVX2 and FMA only (e.g. a Zen 3 EPYC, whose library bf16 GEMMs are emulated at a tenth of
+// float32's or less) the same scheme runs on 8-float vectors: panels of 16 columns, tiles of 6 rows
+// (12 accumulators, 2 widened weight vectors and a broadcast of AVX2's 16 registers).
 //
 // Ops (torch.ops.tokenfleet):
 //   pack_linear_bf16(weight [N, K])  -> packed [ceil(N/P), ceil(K/2), P, 2], zero padded (P = PANEL)
@@ -28,11 +31,17 @@
 // AVX-512 F, BW and VL: every Xeon since Skylake-SP, Zen 4 (not Knights Landing, which lacks BW).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define TOKENFLEET_LINEAR_AVX512 1
+#define TOKENFLEET_LINEAR_KERNEL 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TOKENFLEET_LINEAR_AVX2 1
+#define TOKENFLEET_LINEAR_KERNEL 1
 #include <immintrin.h>
 #endif
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -117,8 +126,93 @@ inline void tile(const float* x, int64_t x_pairs, const uint32_t* panel, int64_t
   else
     tile_cols<MR, 1>(x, x_pairs, panel, pairs, out_tile);
 }
+#elif defined(TOKENFLEET_LINEAR_AVX2)
+constexpr int64_t PANEL = 16;  // 2 vectors of 8 float32 sums
+constexpr int64_t ROWS = 6;    // 6 x 2 = 12 accumulators of 16 registers
+
+// As the AVX-512 tiles above, on 8-float vectors; NV of the panel's 2 vectors.
+template <int MR, int NV>
+__attribute__((noinline)) void tile_cols(const float* x, int64_t x_pairs, const uint32_t* panel, int64_t pairs, float* out_tile) {
+  __m256 acc[MR][NV];
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint32_t* w = panel + p * PANEL;
+    __m256 wf[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v)
+      wf[v] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + v * 8)), 16));
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i) {
+      const __m256 a = _mm256_broadcast_ss(x + (i * x_pairs + p) * 2);
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_fmadd_ps(wf[v], a, acc[i][v]);
+    }
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v)
+      wf[v] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + v * 8)), high));
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i) {
+      const __m256 a = _mm256_broadcast_ss(x + (i * x_pairs + p) * 2 + 1);
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_fmadd_ps(wf[v], a, acc[i][v]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out_tile + i * PANEL + v * 8, acc[i][v]);
+}
+
+template <int MR>
+inline void tile(const float* x, int64_t x_pairs, const uint32_t* panel, int64_t pairs, int64_t cols, float* out_tile) {
+  if (cols > 8)
+    tile_cols<MR, 2>(x, x_pairs, panel, pairs, out_tile);
+  else
+    tile_cols<MR, 1>(x, x_pairs, panel, pairs, out_tile);
+}
 #else
 constexpr int64_t PANEL = 64;  // no kernel in this build; pack_linear_bf16 still packs
+#endif
+
+#if defined(TOKENFLEET_LINEAR_AVX2)
+// s rounded to bf16 bits: to nearest, ties to even, a NaN kept quiet (as VCVTNEPS2BF16 rounds).
+inline uint16_t round_to_bf16_bits(float s) {
+  uint32_t bits;
+  std::memcpy(&bits, &s, sizeof bits);
+  if (s != s) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// The same for 8 floats at once (a scalar epilogue took ~15% of a decode-sized call).
+inline __m128i round_to_bf16(__m256 s) {
+  const __m256i bits = _mm256_castps_si256(s);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(s, s, _CMP_UNORD_Q));
+  const __m256i halves = _mm256_blendv_epi8(rounded, quiet, nan);  // each < 2^16: packs exactly
+  return _mm_packus_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1));
+}
+
+// A tile's float32 sums (plus the bias) rounded into rows x cols of the bf16 output.
+inline void store_tile(const float* sums, int64_t rows, int64_t cols, const float* bias, c10::BFloat16* out,
+                       int64_t out_row) {
+  uint16_t* o = reinterpret_cast<uint16_t*>(out);
+  for (int64_t i = 0; i < rows; ++i) {
+    int64_t j = 0;
+    for (; j + 8 <= cols; j += 8) {
+      __m256 s = _mm256_loadu_ps(sums + i * PANEL + j);
+      if (bias) s = _mm256_add_ps(s, _mm256_loadu_ps(bias + j));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i * out_row + j), round_to_bf16(s));
+    }
+    for (; j < cols; ++j) o[i * out_row + j] = round_to_bf16_bits(sums[i * PANEL + j] + (bias ? bias[j] : 0.0f));
+  }
+}
 #endif
 
 #if defined(TOKENFLEET_LINEAR_AVX512)
@@ -135,7 +229,9 @@ inline __m256i round_to_bf16(__m512 s) {
   return _mm512_cvtepi32_epi16(rounded);
 #endif
 }
+#endif
 
+#if defined(TOKENFLEET_LINEAR_KERNEL)
 template <typename X>
 void run_tile(int64_t rows, const X* x, int64_t x_pairs, const uint32_t* panel, int64_t pairs, int64_t cols,
               float* out) {
@@ -167,7 +263,7 @@ at::Tensor pack_linear_bf16(const at::Tensor& weight) {
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                        const std::optional<at::Tensor>& bias) {
-#if defined(TOKENFLEET_LINEAR_AVX512)
+#if defined(TOKENFLEET_LINEAR_KERNEL)
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bf16 inputs only");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == PANEL && packed.size(3) == 2, "weight not packed by pack_linear_bf16");
   const int64_t k = x.size(-1), pairs = packed.size(1), panels = packed.size(0);
@@ -207,6 +303,9 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
       for (int64_t r = r0; r < r1; r += ROWS) {
         const int64_t rows = std::min(ROWS, r1 - r);
         run_tile(rows, xp + r * x_row, pairs, wp + panel * pairs * PANEL, pairs, cols, sums);
+#if defined(TOKENFLEET_LINEAR_AVX2)
+        store_tile(sums, rows, cols, bp ? bp + c0 : nullptr, op + r * out_features + c0, out_features);
+#else
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t v = 0; v * 16 < cols; ++v) {
             __m512 s = _mm512_loadu_ps(sums + i * PANEL + v * 16);
@@ -215,12 +314,13 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
             if (bp) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(mask, bp + c0 + v * 16));
             _mm256_mask_storeu_epi16(op + (r + i) * out_features + c0 + v * 16, mask, round_to_bf16(s));
           }
+#endif
       }
     }
   });
   return out;
 #else
-  TORCH_CHECK(false, "tokenfleet::linear_bf16 needs a CPU with AVX-512 (this build has none)");
+  TORCH_CHECK(false, "tokenfleet::linear_bf16 needs a CPU with AVX-512 or AVX2 and FMA (this build has neither)");
 #endif
 }
 
