@@ -21,8 +21,9 @@ Columns: generated tokens/s over the run's wall time; TTFT (first token - arriva
 p99 (the mean shows a batch started in parts, which a nearest-rank p50 can hide), inter-token
 latency p50/p99; ``vs vLLM`` = tokens/s over vllm-best's; ``roofline`` = the time the
 workload's matmuls alone take at the matmul speed measured here (the model's own weight shapes,
-``M`` = prefill tokens for prefill, ``M`` = batch size for decode; for bf16 the faster of the
-bf16 and float32 GEMMs, which compute the same products) over the row's wall time;
+``M`` = prefill tokens for prefill, ``M`` = batch size for decode; the fastest of a plain matmul
+and oneDNN's GEMM on a prepacked weight, and for bf16 also the float32 GEMMs, which compute the
+same products) over the row's wall time;
 ``peak`` = the workload's FLOPs at the largest square-matmul FLOP/s measured here, over wall time;
 ``= HF`` = requests whose tokens equal HF generate's at batch 1 in the same dtype, and ``agree``
 the share of tokens before the first difference (bf16 rows may part on near-ties); ``host
@@ -599,15 +600,21 @@ def attention_flops(model, context: int) -> int:
 
 
 def measure_matmul(dtype, m: int, k: int, n: int, seconds: float = 0.3, device: str = "cpu") -> float:
-    """FLOP/s of the fastest GEMM this machine has for ``dtype``'s products: for bf16, the better
-    of its bf16 GEMM and a float32 GEMM (bf16 numbers widen exactly, and their products are exact
-    in float32, so a float32 GEMM computes a bf16 matmul; on CPUs whose bf16 GEMM is the slower,
-    tokenfleet's linears take it)."""
+    """FLOP/s of the fastest GEMM this machine has for ``dtype``'s products at this shape. On the
+    CPU that is the best of ``torch.matmul`` and oneDNN's GEMM on a weight reordered for it (what
+    tokenfleet's and vLLM-CPU's linears run: at decode shapes on some CPUs it is well ahead of the
+    MKL GEMM a plain matmul takes), and for bf16 also a float32 GEMM (bf16 numbers widen exactly,
+    and their products are exact in float32, so a float32 GEMM computes a bf16 matmul; on CPUs
+    whose bf16 GEMM is the slower, tokenfleet's linears take it)."""
     import torch
 
     speed = time_matmul(dtype, m, k, n, seconds, device)
-    if dtype == torch.bfloat16 and device == "cpu":
-        speed = max(speed, time_matmul(torch.float32, m, k, n, seconds, device))
+    if device == "cpu":
+        dtypes = (dtype, torch.float32) if dtype == torch.bfloat16 else (dtype,)
+        for candidate in dtypes:
+            speed = max(speed, time_onednn_linear(candidate, m, k, n, seconds))
+        if dtype == torch.bfloat16:
+            speed = max(speed, time_matmul(torch.float32, m, k, n, seconds, device))
     return speed
 
 
@@ -616,17 +623,41 @@ def time_matmul(dtype, m: int, k: int, n: int, seconds: float, device: str = "cp
 
     a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    for _ in range(2):
-        a @ b
-    sync()
-    best = float("inf")
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t = time.perf_counter()
-        a @ b
+    return best_flops(lambda: a @ b, 2 * m * k * n, seconds, sync)
+
+
+def time_onednn_linear(dtype, m: int, k: int, n: int, seconds: float) -> float:
+    """oneDNN's linear on an ``[n, k]`` weight reordered once for ``m`` rows (0 where this build
+    of PyTorch has no oneDNN)."""
+    import torch
+
+    if not torch.backends.mkldnn.is_available():
+        return 0.0
+    x, weight = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, m)
+        linear = torch.ops.mkldnn._linear_pointwise
+        return best_flops(lambda: linear(x, packed, None, "none", [], ""), 2 * m * k * n, seconds)
+    except RuntimeError:  # a dtype this CPU's oneDNN has no linear for
+        return 0.0
+
+
+def best_flops(run, flops: int, seconds: float, sync=lambda: None) -> float:
+    """``flops`` over the fastest of repeated calls of ``run`` within ``seconds``."""
+    import torch
+
+    with torch.inference_mode():
+        for _ in range(2):
+            run()
         sync()
-        best = min(best, time.perf_counter() - t)
-    return 2 * m * k * n / best
+        best = float("inf")
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t = time.perf_counter()
+            run()
+            sync()
+            best = min(best, time.perf_counter() - t)
+    return flops / best
 
 
 def roofline(model, dtype_name: str, reqs: list[Req], max_batch_size: int, device: str = "cpu") -> dict:
@@ -837,6 +868,7 @@ def main() -> None:
         "cpu": cpu_name(),
         "device": device_name(args.device),
         "python": platform.python_version(),
+        "matmul_onednn": args.device == "cpu",  # the roofline's GEMMs include oneDNN's prepacked one
         **roof,
     }
     write(args, meta, results, by_round)
@@ -906,7 +938,10 @@ def write(args, meta: dict, results: list[dict], by_round: list[dict[str, dict]]
         json.dumps({"meta": meta, "rows": results, "rounds": by_round}, indent=1)
     )
     on_cpu = meta.get("device", meta["cpu"]) == meta["cpu"]
-    either = "; bf16: the faster of bf16 and float32 GEMMs"
+    # results written before the prepacked oneDNN GEMM joined the measurement lack the key
+    onednn = meta.get("matmul_onednn")
+    either = "; the best of a plain matmul and oneDNN on a prepacked weight" if onednn else ""
+    either += "; bf16: the faster of bf16 and float32 GEMMs" if meta["dtype"] == "bfloat16" else ""
     header = (
         f"{meta['workload']} workload, {meta['requests']} requests, {meta['dtype']}, "
         f"{meta['size'] or meta['model']}; {meta.get('device', meta['cpu'])}, {meta['threads']} CPU threads, "
@@ -914,7 +949,7 @@ def write(args, meta: dict, results: list[dict], by_round: list[dict[str, dict]]
         f"Matmul GFLOP/s measured: {meta['matmul_flops_per_s_prefill_shapes']} "
         f"(prefill shapes, M={meta['prefill_m']}), {meta['matmul_flops_per_s_decode_shapes']} "
         f"(decode shapes, M={meta['decode_m']}), {meta['matmul_flops_per_s_peak']} (peak)"
-        f"{either if meta['dtype'] == 'bfloat16' and on_cpu else ''}. "
+        f"{either if on_cpu else ''}. "
         f"host GFLOP/s: a {meta['decode_m']}x{meta['probe_shape'][0]}x{meta['probe_shape'][1]} "
         "matmul right before the row, to show the host's drift."
     )
