@@ -1,5 +1,5 @@
 """``--dtype auto`` on the CPU: bf16 where the CPU has it, float32 elsewhere, and a warning for a
-named bf16 whose matmuls would be emulated (an info line where tokenfleet's AVX-512 kernel takes them)."""
+named bf16 whose matmuls would be emulated (an info line where tokenfleet's bf16 kernel takes them)."""
 
 import logging
 import math
@@ -21,7 +21,7 @@ def test_auto_is_bf16_where_the_cpu_has_it_without_timing_anything(monkeypatch, 
 
 def test_auto_without_native_bf16_is_float32_and_a_named_dtype_is_taken_as_is(monkeypatch, caplog):
     monkeypatch.setattr(device, "cpu_supports_bf16", lambda: False)
-    monkeypatch.setattr(cpu_linear, "bf16_kernel_available", lambda: False)  # AVX2 only, say
+    monkeypatch.setattr(cpu_linear, "bf16_kernel_available", lambda: False)  # no AVX-512 or AVX2, say
     monkeypatch.setattr(device, "bf16_matmul_speed", lambda: 0.15)
     with caplog.at_level(logging.WARNING, logger="tokenfleet.worker.device"):
         assert device.select_dtype("auto", torch.device("cpu")) is torch.float32
@@ -32,7 +32,7 @@ def test_auto_without_native_bf16_is_float32_and_a_named_dtype_is_taken_as_is(mo
     assert "without bf16 instructions" in caplog.text and "0.15x" in caplog.text
 
 
-def test_a_named_bf16_without_native_bf16_but_with_the_avx512_kernel_only_informs(monkeypatch, caplog):
+def test_a_named_bf16_without_native_bf16_but_with_the_bf16_kernel_only_informs(monkeypatch, caplog):
     monkeypatch.setattr(device, "cpu_supports_bf16", lambda: False)
     monkeypatch.setattr(cpu_linear, "bf16_kernel_available", lambda: True)  # an Ice Lake Xeon, say
     monkeypatch.setattr(device, "bf16_matmul_speed", lambda: 0.1)
@@ -40,7 +40,7 @@ def test_a_named_bf16_without_native_bf16_but_with_the_avx512_kernel_only_inform
         assert device.select_dtype("auto", torch.device("cpu")) is torch.float32
         assert device.select_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
     assert [r.levelno for r in caplog.records] == [logging.INFO]
-    assert "AVX-512 kernel" in caplog.text and "0.10x" in caplog.text
+    assert "tokenfleet's bf16 kernel" in caplog.text and "0.10x" in caplog.text
 
 
 def test_a_named_bf16_is_quiet_where_the_cpu_has_it(monkeypatch, caplog):

@@ -92,16 +92,17 @@ def select_dtype(name: str, device: torch.device) -> torch.dtype:
         if name == "bfloat16" and device.type == "cpu" and not cpu_supports_bf16():
             from tokenfleet.worker.cpu_linear import bf16_kernel_available
 
-            if bf16_kernel_available():  # AVX-512: float32 FMAs on bf16 weights, half the memory
+            if bf16_kernel_available():  # AVX-512 or AVX2: float32 FMAs on bf16 weights, half the memory
                 log.info(
                     "dtype bfloat16 on a CPU without bf16 instructions (AVX512-BF16 or AMX): library "
-                    "bf16 matmuls ran at %.2fx float32's here, so linears take tokenfleet's AVX-512 "
+                    "bf16 matmuls ran at %.2fx float32's here, so linears take tokenfleet's bf16 "
                     "kernel or float32 GEMMs; --dtype auto picks float32 on this CPU",
                     bf16_matmul_speed(),
                 )
                 return DTYPES[name]
             # taken as asked (a fleet may want one dtype), but emulated bf16 is a trap: on an
-            # AVX2 EPYC its matmuls ran at ~0.15x float32's and a 113M model served 4x slower
+            # AVX2 EPYC (before tokenfleet's kernel had an AVX2 path) its matmuls ran at ~0.15x
+            # float32's and a 113M model served 4x slower
             log.warning(
                 "dtype bfloat16 on a CPU without bf16 instructions (AVX512-BF16 or AMX): its matmuls "
                 "are emulated and ran at %.2fx float32's here; --dtype auto picks float32 on this CPU",
