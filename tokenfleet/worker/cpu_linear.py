@@ -108,11 +108,13 @@ def bf16_kernel_available() -> bool:
     return True
 
 
-def bf16_linear_speeds(size: int = 1024, weights: int = 12, rounds: int = 3) -> dict[str, tuple[float, ...]]:
+def bf16_linear_speeds(size: int = 1024, weights: int = 12, rounds: int = 5) -> dict[str, tuple[float, ...]]:
     """Seconds (best of ``rounds``) of a ``size`` x ``size`` bf16 linear on each route: ``kernel``,
     ``native`` (oneDNN bf16, prepacked) and ``float32`` (oneDNN float32, prepacked); at 32 rows
     through ``weights`` weights in turn (24 MB: from memory, as a decode step reads them), and at
-    512 rows through one. ~0.2 s."""
+    512 rows through one. The routes take turns within each round, so a shared host's drift hits
+    them all (one route's rounds after another's picked the slower route on a 2-vCPU EPYC whose
+    speed moved by half within a minute). ~0.3 s."""
     from tokenfleet.worker.cpu_kernels import paged_attention_kernels
 
     paged_attention_kernels()  # registers tokenfleet::linear_bf16
@@ -122,21 +124,22 @@ def bf16_linear_speeds(size: int = 1024, weights: int = 12, rounds: int = 3) -> 
         routes["kernel"].append(KernelLinear(linear))
         routes["native"].append(native_bf16_linear(linear.weight.detach()))
         routes["float32"].append(PackedLinear(linear))
-
-    def best(layers: list, x: torch.Tensor) -> float:
-        for layer in layers:  # the library picks and prepares its kernel on the first call
-            layer(x)
-        times = []
-        for _ in range(rounds):
-            start = time.perf_counter()
-            for layer in layers:
-                layer(x)
-            times.append((time.perf_counter() - start) / len(layers))
-        return min(times)
-
     decode_x = torch.randn(DECODE_ROWS_HINT, size).to(torch.bfloat16)
     prefill_x = torch.randn(512, size).to(torch.bfloat16)
-    return {name: (best(layers, decode_x), best(layers[:1], prefill_x)) for name, layers in routes.items()}
+
+    def seconds(layers: list, x: torch.Tensor) -> float:
+        start = time.perf_counter()
+        for layer in layers:
+            layer(x)
+        return (time.perf_counter() - start) / len(layers)
+
+    for layers in routes.values():  # the library picks and prepares its kernel on the first call
+        seconds(layers, decode_x), seconds(layers[:1], prefill_x)
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in routes}
+    for _ in range(rounds):
+        for name, layers in routes.items():
+            times[name].append((seconds(layers, decode_x), seconds(layers[:1], prefill_x)))
+    return {name: (min(t[0] for t in ts), min(t[1] for t in ts)) for name, ts in times.items()}
 
 
 def native_bf16_linear(weight: torch.Tensor):
