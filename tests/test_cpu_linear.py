@@ -195,6 +195,14 @@ def test_the_bf16_kernel_replaces_the_weight_and_runs_inside_a_compiled_graph():
     assert torch.allclose(eager.float(), expected.float(), rtol=0.05, atol=0.05)
 
 
+@needs_kernel
+def test_the_routes_are_timed_on_any_cpu_the_kernel_runs_on():
+    # on AVX2-only CPUs oneDNN has no bf16 linear to prepack for: the library's matmul stands in
+    speeds = cpu_linear.bf16_linear_speeds(size=64, weights=2, rounds=1)
+    assert set(speeds) == {"kernel", "native", "float32"}
+    assert all(len(t) == 2 and all(s > 0 for s in t) for t in speeds.values())
+
+
 def fixed_speeds(kernel, native, float32=(1.0, 1.0)):
     return lambda: {"kernel": kernel, "native": native, "float32": float32}
 
