@@ -114,7 +114,7 @@ def bf16_linear_speeds(size: int = 1024, weights: int = 12, rounds: int = 5) -> 
     through ``weights`` weights in turn (24 MB: from memory, as a decode step reads them), and at
     512 rows through one. The routes take turns within each round, so a shared host's drift hits
     them all (one route's rounds after another's picked the slower route on a 2-vCPU EPYC whose
-    speed moved by half within a minute). ~0.3 s."""
+    speed moved by half within a minute). ~0.3 s; ~1 s where the library emulates bf16 matmuls."""
     from tokenfleet.worker.cpu_kernels import paged_attention_kernels
 
     paged_attention_kernels()  # registers tokenfleet::linear_bf16
