@@ -28,6 +28,30 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
+def pin_bf16_linear_route(dtype: str, device: str = "cpu") -> str | None:
+    """Choose the bf16 linears' route (``TOKENFLEET_BF16_LINEAR``) once, here, and pin it in this
+    process's environment, which its engines and the worker processes it starts inherit: under
+    ``auto`` each engine measures the routes on its own, and on a drifting host a worker and the
+    in-process engine it is compared with can land on different ones. Returns the route, or
+    ``None`` where there is nothing to choose (not bf16, not the CPU, or already named)."""
+    if dtype not in ("bfloat16", "bf16") or device != "cpu":
+        return None
+    named = os.environ.get("TOKENFLEET_BF16_LINEAR", "auto")
+    if named != "auto":
+        return named
+    import torch
+
+    from tokenfleet.worker.cpu_linear import bf16_kernel_wanted, onednn_linears_wanted
+
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    if bf16_kernel_wanted(cpu, bf16):
+        route = "kernel"
+    else:
+        route = "float32" if onednn_linears_wanted(cpu, bf16) else "native"
+    os.environ["TOKENFLEET_BF16_LINEAR"] = route
+    return route
+
+
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 

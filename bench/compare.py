@@ -51,7 +51,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench.common import TCMALLOC, allocator_env, model_or_built, percentile, worker_process
+from bench.common import (
+    TCMALLOC,
+    allocator_env,
+    model_or_built,
+    percentile,
+    pin_bf16_linear_route,
+    worker_process,
+)
 from tokenfleet.config import DEFAULT_MAX_PREFILL_TOKENS
 
 HERE = Path(__file__).resolve().parent
@@ -756,6 +763,8 @@ def main() -> None:
     from tokenfleet.models import PAD_ID
 
     model_dir = model_or_built(args.model, args.size)
+    # tokenfleet's in-process and end-to-end rows on the same bf16 linears
+    bf16_linear = pin_bf16_linear_route(args.dtype, args.device)
     reqs = make_workload(args.workload, args.requests, args.prompt_len, args.new_tokens, args.rate, args.seed)
     max_seq_len = max_seq_len_for(reqs)
     rows = args.only.split(",") if args.only else list(ROWS)
@@ -869,6 +878,7 @@ def main() -> None:
         "device": device_name(args.device),
         "python": platform.python_version(),
         "matmul_onednn": args.device == "cpu",  # the roofline's GEMMs include oneDNN's prepacked one
+        "bf16_linear": bf16_linear,
         **roof,
     }
     write(args, meta, results, by_round)
@@ -953,6 +963,8 @@ def write(args, meta: dict, results: list[dict], by_round: list[dict[str, dict]]
         f"host GFLOP/s: a {meta['decode_m']}x{meta['probe_shape'][0]}x{meta['probe_shape'][1]} "
         "matmul right before the row, to show the host's drift."
     )
+    if meta.get("bf16_linear"):
+        header += f" tokenfleet's bf16 linears: {meta['bf16_linear']} (chosen once for every tokenfleet row)."
     if meta["rounds"] > 1:
         header += (
             f" {meta['rounds']} rounds, round robin: each row is its median round; vs vLLM is the "

@@ -26,7 +26,7 @@ import shlex
 import statistics
 import sys
 
-from bench.common import allocator_env, model_or_built, worker_process
+from bench.common import allocator_env, model_or_built, pin_bf16_linear_route, worker_process
 from bench.compare import (
     CpuCounters,
     InProcessEngine,
@@ -75,6 +75,7 @@ def main() -> None:
 
     compile = not args.no_compile
     model_dir = model_or_built(args.model, args.size)
+    route = pin_bf16_linear_route(args.dtype)  # both sides on the same linears
     reqs = make_workload("fixed", args.requests, args.prompt_len, args.new_tokens, 1.0, 0)
     max_seq_len = max_seq_len_for(reqs)
     flags = worker_flags(
@@ -140,6 +141,7 @@ def main() -> None:
         "max_wait_ms": args.max_wait_ms,
         "worker_flags": args.worker_flags,
         "allocator": "tcmalloc, both sides" if preload else "the system's",
+        "bf16_linear": route,
         "rounds": args.rounds,
         "in_process_tokens_per_s": median_of("in_process", "tokens_per_s"),
         "e2e_tokens_per_s": median_of("e2e", "tokens_per_s"),

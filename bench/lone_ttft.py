@@ -19,7 +19,7 @@ import os
 import statistics
 import time
 
-from bench.common import allocator_env, model_or_built, percentile, worker_process
+from bench.common import allocator_env, model_or_built, percentile, pin_bf16_linear_route, worker_process
 from bench.compare import make_workload
 from tokenfleet.embedded import EmbeddedRedis
 from tokenfleet.producer import Client
@@ -76,6 +76,7 @@ def main() -> None:
     args = p.parse_args()
     model_dir = model_or_built(args.model, args.size)
     prompt = make_workload("fixed", 1, args.prompt_len, 4, 1.0, 0)[0].prompt_ids
+    route = pin_bf16_linear_route(args.dtype)  # the bound's prefill and the workers on one route
     prefill_warm = prefill_ms(model_dir, args.dtype, prompt, args.repeats, 0.0)
     prefill = prefill_ms(model_dir, args.dtype, prompt, args.repeats, IDLE_S)
     rows = []
@@ -93,6 +94,7 @@ def main() -> None:
                 "ttft_p90_ms": round(percentile(ttfts, 90), 2),
                 "within_bound": sum(t <= bound for t in ttfts),
                 "repeats": len(ttfts),
+                "bf16_linear": route,
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
