@@ -41,13 +41,9 @@ def pin_bf16_linear_route(dtype: str, device: str = "cpu") -> str | None:
         return named
     import torch
 
-    from tokenfleet.worker.cpu_linear import bf16_kernel_wanted, onednn_linears_wanted
+    from tokenfleet.worker.cpu_linear import linear_route
 
-    cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    if bf16_kernel_wanted(cpu, bf16):
-        route = "kernel"
-    else:
-        route = "float32" if onednn_linears_wanted(cpu, bf16) else "native"
+    route = linear_route(torch.device("cpu"), torch.bfloat16)
     os.environ["TOKENFLEET_BF16_LINEAR"] = route
     return route
 

@@ -187,6 +187,15 @@ def bf16_kernel_wanted(device: torch.device, dtype: torch.dtype) -> bool:
     return wanted
 
 
+def linear_route(device: torch.device, dtype: torch.dtype, model: nn.Module | None = None) -> str:
+    """The route a model's linears take on ``device`` in ``dtype``, named as
+    ``TOKENFLEET_BF16_LINEAR`` names them: ``kernel`` (:class:`KernelLinear`), ``float32``
+    (:class:`PackedLinear`, oneDNN float32 GEMMs) or ``native`` (left as they are)."""
+    if bf16_kernel_wanted(device, dtype):
+        return "kernel"
+    return "float32" if onednn_linears_wanted(device, dtype, model) else "native"
+
+
 def bf16_linear_route() -> str:
     route = os.environ.get("TOKENFLEET_BF16_LINEAR", "auto")
     if route not in BF16_ROUTES:

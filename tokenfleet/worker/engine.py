@@ -18,7 +18,7 @@ from tokenfleet.kvcache.allocator import BlockAllocator
 from tokenfleet.kvcache.store import PagedKVStore
 from tokenfleet.worker import attention
 from tokenfleet.worker.cpu_kernels import paged_attention_kernels
-from tokenfleet.worker.cpu_linear import KernelLinear, bf16_kernel_wanted, onednn_linears_wanted, pack_linears
+from tokenfleet.worker.cpu_linear import KernelLinear, linear_route, pack_linears
 from tokenfleet.worker.device import select_device, select_dtype
 
 log = logging.getLogger(__name__)
@@ -116,10 +116,11 @@ class Engine:
         self.pad_prefill = self.device.type == "cpu"  # see PREFILL_SIZES_PER_DOUBLING
         self.decode_buckets = decode_buckets(max_batch_size)
         # after the KV budget, which counts the weights as loaded
-        if bf16_kernel_wanted(self.device, self.dtype):
+        route = linear_route(self.device, self.dtype, self.model)
+        if route == "kernel":
             count = pack_linears(self.model, KernelLinear)
             log.info("engine: %d linears on tokenfleet's bf16 kernel, packed", count)
-        elif onednn_linears_wanted(self.device, self.dtype, self.model):
+        elif route == "float32":
             log.info("engine: %d linears on oneDNN float32 GEMMs, prepacked", pack_linears(self.model))
         self._compiled = self._compile() if compile else None
         # prefill shapes vary with every batch: one graph with dynamic sizes (its GEMMs are not
