@@ -950,8 +950,8 @@ def write(args, meta: dict, results: list[dict], by_round: list[dict[str, dict]]
     on_cpu = meta.get("device", meta["cpu"]) == meta["cpu"]
     # results written before the prepacked oneDNN GEMM joined the measurement lack the key
     onednn = meta.get("matmul_onednn")
-    either = "; the best of a plain matmul and oneDNN on a prepacked weight" if onednn else ""
-    either += "; bf16: the faster of bf16 and float32 GEMMs" if meta["dtype"] == "bfloat16" else ""
+    gemm_rules = "; the best of a plain matmul and oneDNN on a prepacked weight" if onednn else ""
+    gemm_rules += "; bf16: the faster of bf16 and float32 GEMMs" if meta["dtype"] == "bfloat16" else ""
     header = (
         f"{meta['workload']} workload, {meta['requests']} requests, {meta['dtype']}, "
         f"{meta['size'] or meta['model']}; {meta.get('device', meta['cpu'])}, {meta['threads']} CPU threads, "
@@ -959,7 +959,7 @@ def write(args, meta: dict, results: list[dict], by_round: list[dict[str, dict]]
         f"Matmul GFLOP/s measured: {meta['matmul_flops_per_s_prefill_shapes']} "
         f"(prefill shapes, M={meta['prefill_m']}), {meta['matmul_flops_per_s_decode_shapes']} "
         f"(decode shapes, M={meta['decode_m']}), {meta['matmul_flops_per_s_peak']} (peak)"
-        f"{either if on_cpu else ''}. "
+        f"{gemm_rules if on_cpu else ''}. "
         f"host GFLOP/s: a {meta['decode_m']}x{meta['probe_shape'][0]}x{meta['probe_shape'][1]} "
         "matmul right before the row, to show the host's drift."
     )
