@@ -23,11 +23,12 @@ latency p50/p99; ``vs vLLM`` = tokens/s over vllm-best's; ``roofline`` = the tim
 workload's matmuls alone take at the matmul speed measured here (the model's own weight shapes,
 ``M`` = prefill tokens for prefill, ``M`` = batch size for decode; the fastest of a plain matmul
 and oneDNN's GEMM on a prepacked weight, and for bf16 also the float32 GEMMs, which compute the
-same products) over the row's wall time;
+same products) over the row's wall time, the speeds measured right before and right after the
+row (the mean of the two rooflines: the host's speed drifts);
 ``peak`` = the workload's FLOPs at the largest square-matmul FLOP/s measured here, over wall time;
 ``= HF`` = requests whose tokens equal HF generate's at batch 1 in the same dtype, and ``agree``
 the share of tokens before the first difference (bf16 rows may part on near-ties); ``host
-GFLOP/s`` = a decode-shaped matmul timed just before the row. ``--rounds N`` runs the rows N times
+GFLOP/s`` = the decode shapes' matmul speed around the row. ``--rounds N`` runs the rows N times
 round robin and keeps each row's median round, with its ratio to vLLM taken within each round:
 on a shared host whose speed drifts, that is the figure to trust. One JSON file and a Markdown
 table. Never run as a test.
@@ -606,6 +607,16 @@ def attention_flops(model, context: int) -> int:
     return 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * context  # QK^T and AV
 
 
+SPEEDS = (
+    "matmul_flops_per_s_prefill_shapes",
+    "matmul_flops_per_s_decode_shapes",
+    "matmul_flops_per_s_peak",
+)
+DECODE_SPEED = SPEEDS[1]
+SLOW_CALL_BUDGETS = 3  # best_flops: a first call longer than this many time budgets is the measurement
+PROBE_ROWS = 64  # measure_matmul: rows of the probe that decides whether a bf16 matmul is worth timing
+
+
 def measure_matmul(dtype, m: int, k: int, n: int, seconds: float = 0.3, device: str = "cpu") -> float:
     """FLOP/s of the fastest GEMM this machine has for ``dtype``'s products at this shape. On the
     CPU that is the best of ``torch.matmul`` and oneDNN's GEMM on a weight reordered for it (what
@@ -615,14 +626,19 @@ def measure_matmul(dtype, m: int, k: int, n: int, seconds: float = 0.3, device: 
     whose bf16 GEMM is the slower, tokenfleet's linears take it)."""
     import torch
 
-    speed = time_matmul(dtype, m, k, n, seconds, device)
-    if device == "cpu":
-        dtypes = (dtype, torch.float32) if dtype == torch.bfloat16 else (dtype,)
-        for candidate in dtypes:
-            speed = max(speed, time_onednn_linear(candidate, m, k, n, seconds))
-        if dtype == torch.bfloat16:
-            speed = max(speed, time_matmul(torch.float32, m, k, n, seconds, device))
-    return speed
+    if device != "cpu":
+        return time_matmul(dtype, m, k, n, seconds, device)
+    speed = 0.0
+    for candidate in (dtype, torch.float32) if dtype == torch.bfloat16 else (dtype,):
+        speed = max(speed, time_onednn_linear(candidate, m, k, n, seconds))
+    if dtype == torch.bfloat16:
+        speed = max(speed, time_matmul(torch.float32, m, k, n, seconds))
+        # Without bf16 instructions the library emulates a plain bf16 matmul: on an AVX2 EPYC at
+        # a hundredth of float32's speed, a minute a call at prefill shapes. A few rows first; the
+        # full shape only when they are not far behind.
+        if m > PROBE_ROWS and time_matmul(dtype, PROBE_ROWS, k, n, seconds / 3) < speed / 4:
+            return speed
+    return max(speed, time_matmul(dtype, m, k, n, seconds))
 
 
 def time_matmul(dtype, m: int, k: int, n: int, seconds: float, device: str = "cpu") -> float:
@@ -650,12 +666,19 @@ def time_onednn_linear(dtype, m: int, k: int, n: int, seconds: float) -> float:
 
 
 def best_flops(run, flops: int, seconds: float, sync=lambda: None) -> float:
-    """``flops`` over the fastest of repeated calls of ``run`` within ``seconds``."""
+    """``flops`` over the fastest of repeated calls of ``run`` within ``seconds``. A call that
+    alone takes several times ``seconds`` (bf16 matmuls the library emulates, at prefill shapes)
+    is timed once: a GEMM that slow is not the roofline's, and timing it again cost minutes."""
     import torch
 
     with torch.inference_mode():
-        for _ in range(2):
-            run()
+        t = time.perf_counter()
+        run()
+        sync()
+        first = time.perf_counter() - t
+        if first > SLOW_CALL_BUDGETS * seconds:
+            return flops / first
+        run()
         sync()
         best = float("inf")
         end = time.perf_counter() + seconds
@@ -831,31 +854,33 @@ def main() -> None:
         "vllm-default": partial(vllm, best=False),
         "vllm-best": partial(vllm, best=True),
     }
-    # The host's matmul speed right before each row: shared machines drift (2-3x here, as
-    # neighbours come and go), and a row's figure means little without it.
-    probe_shape = max(linear_shapes(hf), key=lambda s: s[0] * s[1])
-    dtype = getattr(torch, args.dtype)
+    # Each row is held to the matmul speed measured right before and right after it (the mean of
+    # the two rooflines): a shared host drifts, and on a 2-vCPU EPYC the decode-shape GEMMs measured
+    # 76 then 135 GFLOP/s fifteen seconds apart, so a roofline taken once, before rows that run for
+    # minutes, measured the host's mood as much as the row.
+    measured = [roof]
     by_round: list[dict[str, dict]] = []
     for round_no in range(args.rounds):
         done: dict[str, dict] = {}
         for name in rows:
             print(f"running {name} (round {round_no + 1}/{args.rounds}) ...", file=sys.stderr, flush=True)
-            host = (
-                measure_matmul(dtype, roof["decode_m"], *probe_shape, seconds=0.2, device=args.device) / 1e9
-            )
             try:
                 row = runners[name]()
             except Exception as e:  # one failing peer must not cost the others' figures
                 print(f"{name} failed: {e}", file=sys.stderr)
                 continue
+            measured.append(roofline(hf, args.dtype, reqs, args.max_batch_size, args.device))
+            around = measured[-2:]
             ids = row.pop("_token_ids")
             row["match_hf"] = sum(
                 got == want[: len(got)] and len(got) > 0 for got, want in zip(ids, expected)
             )
             row["agree_hf"] = round(agreement(ids, expected), 3)
-            row["roofline"] = round(roof["roofline_s"] / row["wall_s"] * scale(row, reqs), 3)
-            row["peak"] = round(roof["peak_s"] / row["wall_s"] * scale(row, reqs), 3)
-            row["host_gflops"] = round(host, 1)
+            for key, seconds in (("roofline", "roofline_s"), ("peak", "peak_s")):
+                held_to = statistics.mean(r[seconds] for r in around)
+                row[key] = round(held_to / row["wall_s"] * scale(row, reqs), 3)
+            row["host_gflops"] = round(statistics.mean(r[DECODE_SPEED] for r in around), 1)
+            row["matmul_gflops_around"] = {k: [r[k] for r in around] for k in SPEEDS}
             done[name] = row
             print(json.dumps(row), flush=True)
         by_round.append(done)
@@ -871,7 +896,6 @@ def main() -> None:
         "max_new_tokens": sum(r.max_new_tokens for r in reqs),
         "max_batch_size": args.max_batch_size,
         "rounds": args.rounds,
-        "probe_shape": list(probe_shape),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": cpu_name(),
@@ -880,6 +904,9 @@ def main() -> None:
         "matmul_onednn": args.device == "cpu",  # the roofline's GEMMs include oneDNN's prepacked one
         "bf16_linear": bf16_linear,
         **roof,
+        # the speeds above are those measured before the first row; every measurement's here
+        "roofline_per_row": True,
+        "matmul_gflops_measured": {k: [r[k] for r in measured] for k in SPEEDS},
     }
     write(args, meta, results, by_round)
 
@@ -952,17 +979,31 @@ def write(args, meta: dict, results: list[dict], by_round: list[dict[str, dict]]
     onednn = meta.get("matmul_onednn")
     gemm_rules = "; the best of a plain matmul and oneDNN on a prepacked weight" if onednn else ""
     gemm_rules += "; bf16: the faster of bf16 and float32 GEMMs" if meta["dtype"] == "bfloat16" else ""
+    per_row = meta.get("roofline_per_row")
     header = (
         f"{meta['workload']} workload, {meta['requests']} requests, {meta['dtype']}, "
         f"{meta['size'] or meta['model']}; {meta.get('device', meta['cpu'])}, {meta['threads']} CPU threads, "
         f"torch {meta['torch']}. "
-        f"Matmul GFLOP/s measured: {meta['matmul_flops_per_s_prefill_shapes']} "
-        f"(prefill shapes, M={meta['prefill_m']}), {meta['matmul_flops_per_s_decode_shapes']} "
-        f"(decode shapes, M={meta['decode_m']}), {meta['matmul_flops_per_s_peak']} (peak)"
-        f"{gemm_rules if on_cpu else ''}. "
-        f"host GFLOP/s: a {meta['decode_m']}x{meta['probe_shape'][0]}x{meta['probe_shape'][1]} "
-        "matmul right before the row, to show the host's drift."
+        f"Matmul GFLOP/s{' before the first row' if per_row else ''}: "
+        f"{meta['matmul_flops_per_s_prefill_shapes']} (prefill shapes, M={meta['prefill_m']}), "
+        f"{meta['matmul_flops_per_s_decode_shapes']} (decode shapes, M={meta['decode_m']}), "
+        f"{meta['matmul_flops_per_s_peak']} (peak){gemm_rules if on_cpu else ''}. "
     )
+    if per_row:
+        ranges = {k: f"{min(v):g}-{max(v):g}" for k, v in meta["matmul_gflops_measured"].items()}
+        header += (
+            "Measured again after every row, and each row's roofline and peak are the means of "
+            "those measured right before and right after it (the host drifts); across the run: "
+            f"{ranges['matmul_flops_per_s_prefill_shapes']} (prefill shapes), "
+            f"{ranges['matmul_flops_per_s_decode_shapes']} (decode shapes), "
+            f"{ranges['matmul_flops_per_s_peak']} (peak). host GFLOP/s: the decode shapes' speed "
+            "around the row."
+        )
+    else:  # results from before the roofline was measured around every row
+        header += (
+            f"host GFLOP/s: a {meta['decode_m']}x{meta['probe_shape'][0]}x{meta['probe_shape'][1]} "
+            "matmul right before the row, to show the host's drift."
+        )
     if meta.get("bf16_linear"):
         header += f" tokenfleet's bf16 linears: {meta['bf16_linear']} (chosen once for every tokenfleet row)."
     if meta["rounds"] > 1:
