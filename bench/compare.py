@@ -23,8 +23,8 @@ latency p50/p99; ``vs vLLM`` = tokens/s over vllm-best's; ``roofline`` = the tim
 workload's matmuls alone take at the matmul speed measured here (the model's own weight shapes,
 ``M`` = prefill tokens for prefill, ``M`` = batch size for decode; the fastest of a plain matmul
 and oneDNN's GEMM on a prepacked weight, and for bf16 also the float32 GEMMs, which compute the
-same products) over the row's wall time, the speeds measured right before and right after the
-row (the mean of the two rooflines: the host's speed drifts);
+same products, and tokenfleet's own bf16 kernel) over the row's wall time, the speeds measured
+right before and right after the row (the mean of the two rooflines: the host's speed drifts);
 ``peak`` = the workload's FLOPs at the largest square-matmul FLOP/s measured here, over wall time;
 ``= HF`` = requests whose tokens equal HF generate's at batch 1 in the same dtype, and ``agree``
 the share of tokens before the first difference (bf16 rows may part on near-ties); ``host
@@ -623,7 +623,9 @@ def measure_matmul(dtype, m: int, k: int, n: int, seconds: float = 0.3, device: 
     tokenfleet's and vLLM-CPU's linears run: at decode shapes on some CPUs it is well ahead of the
     MKL GEMM a plain matmul takes), and for bf16 also a float32 GEMM (bf16 numbers widen exactly,
     and their products are exact in float32, so a float32 GEMM computes a bf16 matmul; on CPUs
-    whose bf16 GEMM is the slower, tokenfleet's linears take it)."""
+    whose bf16 GEMM is the slower, tokenfleet's linears take it), and tokenfleet's own bf16 kernel
+    where it is built: at decode shapes it can be the fastest of all, and a roofline the engine
+    beats is no roofline."""
     import torch
 
     if device != "cpu":
@@ -632,7 +634,7 @@ def measure_matmul(dtype, m: int, k: int, n: int, seconds: float = 0.3, device: 
     for candidate in (dtype, torch.float32) if dtype == torch.bfloat16 else (dtype,):
         speed = max(speed, time_onednn_linear(candidate, m, k, n, seconds))
     if dtype == torch.bfloat16:
-        speed = max(speed, time_matmul(torch.float32, m, k, n, seconds))
+        speed = max(speed, time_matmul(torch.float32, m, k, n, seconds), time_kernel_linear(m, k, n, seconds))
         # Without bf16 instructions the library emulates a plain bf16 matmul: on an AVX2 EPYC at
         # a hundredth of float32's speed, a minute a call at prefill shapes. A few rows first; the
         # full shape only when they are not far behind.
@@ -663,6 +665,20 @@ def time_onednn_linear(dtype, m: int, k: int, n: int, seconds: float) -> float:
         return best_flops(lambda: linear(x, packed, None, "none", [], ""), 2 * m * k * n, seconds)
     except RuntimeError:  # a dtype this CPU's oneDNN has no linear for
         return 0.0
+
+
+def time_kernel_linear(m: int, k: int, n: int, seconds: float) -> float:
+    """tokenfleet's bf16 linear kernel on a weight packed for it (0 where it is not built)."""
+    import torch
+
+    from tokenfleet.worker.cpu_linear import bf16_kernel_available
+
+    if not bf16_kernel_available():
+        return 0.0
+    x, weight = torch.randn(m, k).to(torch.bfloat16), torch.randn(n, k).to(torch.bfloat16)
+    packed = torch.ops.tokenfleet.pack_linear_bf16(weight)
+    linear = torch.ops.tokenfleet.linear_bf16
+    return best_flops(lambda: linear(x, packed, n, None), 2 * m * k * n, seconds)
 
 
 def best_flops(run, flops: int, seconds: float, sync=lambda: None) -> float:
@@ -902,6 +918,7 @@ def main() -> None:
         "device": device_name(args.device),
         "python": platform.python_version(),
         "matmul_onednn": args.device == "cpu",  # the roofline's GEMMs include oneDNN's prepacked one
+        "matmul_kernel": args.device == "cpu",  # ... and for bf16 tokenfleet's kernel, where built
         "bf16_linear": bf16_linear,
         **roof,
         # the speeds above are those measured before the first row; every measurement's here
@@ -978,7 +995,9 @@ def write(args, meta: dict, results: list[dict], by_round: list[dict[str, dict]]
     # results written before the prepacked oneDNN GEMM joined the measurement lack the key
     onednn = meta.get("matmul_onednn")
     gemm_rules = "; the best of a plain matmul and oneDNN on a prepacked weight" if onednn else ""
-    gemm_rules += "; bf16: the faster of bf16 and float32 GEMMs" if meta["dtype"] == "bfloat16" else ""
+    if meta["dtype"] == "bfloat16":
+        gemm_rules += "; bf16: the fastest of bf16 and float32 GEMMs"
+        gemm_rules += " and tokenfleet's bf16 kernel" if meta.get("matmul_kernel") else ""
     per_row = meta.get("roofline_per_row")
     header = (
         f"{meta['workload']} workload, {meta['requests']} requests, {meta['dtype']}, "
