@@ -3,10 +3,12 @@
 For each ``max_wait_ms``: a worker process on its own Redis, then ``--repeats`` requests one at a
 time (each after the previous finished and a pause, so the worker is idle when it arrives),
 TTFT measured by the client from just before ``submit`` to the first token. The prefill time of
-the same prompt is measured in this process on the same model and dtype (median of repeats).
-The bound uses the prefill time after the same idle pause the requests see (a CPU that sat idle
-runs its next forward slower); the warm, back-to-back figure is printed beside it. Prints JSON
-lines and a Markdown table. Never run as a test.
+the same prompt is measured in this process on the same model and dtype, taking turns with the
+requests: before each request, after the same idle pause (a CPU that sat idle runs its next
+forward slower), and each setting's bound uses the median of its own turns. Measured once up
+front, minutes before the requests, it had moved by 10% between two runs on a shared 2-vCPU
+host, as much as the 5 ms margin many times over. The warm, back-to-back figure is printed
+beside it. Prints JSON lines and a Markdown table. Never run as a test.
 
     python -m bench.lone_ttft --size small --dtype bfloat16
 """
@@ -27,42 +29,53 @@ from tokenfleet.producer import Client
 IDLE_S = 0.3
 
 
-def prefill_ms(model_dir: str, dtype: str, prompt: list[int], repeats: int, idle_s: float) -> float:
-    """Median prefill time of ``prompt`` alone, each after ``idle_s`` of idleness (0: back to back).
-    An idle CPU runs the next forward markedly slower (cold caches, sleeping cores), and a lone
-    request always meets an idle worker, so the bound uses the idle figure."""
-    from tokenfleet.config import KVCacheConfig
-    from tokenfleet.worker.engine import Engine
+class InProcessPrefill:
+    """The prompt's prefill on this process's own engine (same model and dtype as the worker's),
+    timed with the host sync that sampling needs."""
 
-    engine = Engine(model_dir, dtype=dtype, kv=KVCacheConfig(num_blocks=64))
-    times = []
-    for i in range(repeats + 1):
-        time.sleep(idle_s)
-        engine.allocator.allocate(i, len(prompt))
+    def __init__(self, model_dir: str, dtype: str, prompt: list[int]):
+        from tokenfleet.config import KVCacheConfig
+        from tokenfleet.worker.engine import Engine
+
+        self.engine = Engine(model_dir, dtype=dtype, kv=KVCacheConfig(num_blocks=64))
+        self.prompt = prompt
+        self.ms()  # the first includes one-time set-up
+
+    def ms(self) -> float:
+        engine = self.engine
+        engine.allocator.allocate(0, len(self.prompt))
         start = time.perf_counter()
-        engine.prefill([i], [prompt]).argmax(-1).tolist()  # the host sync sampling needs, included
-        times.append((time.perf_counter() - start) * 1000)
-        engine.allocator.free(i)
-    return statistics.median(times[1:])  # the first includes one-time set-up
+        engine.prefill([0], [self.prompt]).argmax(-1).tolist()
+        took = (time.perf_counter() - start) * 1000
+        engine.allocator.free(0)
+        return took
+
+    def warm_ms(self, repeats: int) -> float:
+        """Median of back-to-back prefills."""
+        return statistics.median(self.ms() for _ in range(repeats))
 
 
 def lone_ttfts(
-    url: str, model_dir: str, dtype: str, wait_ms: float, prompt: list[int], repeats: int
-) -> list[float]:
+    url: str, model_dir: str, dtype: str, wait_ms: float, prefill: InProcessPrefill, repeats: int
+) -> tuple[list[float], list[float]]:
+    """TTFTs of ``repeats`` lone requests, and the in-process prefill times taken in turn with them."""
     prefix = f"lone-{os.getpid()}-{wait_ms:g}"
     flags = ["--dtype", dtype, "--buckets", "512", "--max-seq-len", "1024", "--max-wait-ms", str(wait_ms)]
+    prompt = prefill.prompt
     with worker_process(url, prefix, model_dir, flags, allocator_env()):
         client = Client(url, model=model_dir, prefix=prefix)
         client.submit(input_ids=prompt, max_new_tokens=2).result(timeout=300)  # warm-up
-        ttfts = []
+        ttfts, prefills = [], []
         for _ in range(repeats):
+            time.sleep(IDLE_S)  # both idle before each: the engine here, then the worker
+            prefills.append(prefill.ms())
             time.sleep(IDLE_S)  # the worker is idle, blocked on its read, when the request arrives
             start = time.perf_counter()
             handle = client.submit(input_ids=prompt, max_new_tokens=4, ignore_eos=True)
             next(iter(handle.stream(timeout=300)))
             ttfts.append((time.perf_counter() - start) * 1000)
             handle.result(timeout=300)
-        return ttfts
+        return ttfts, prefills
 
 
 def main() -> None:
@@ -77,12 +90,13 @@ def main() -> None:
     model_dir = model_or_built(args.model, args.size)
     prompt = make_workload("fixed", 1, args.prompt_len, 4, 1.0, 0)[0].prompt_ids
     route = pin_bf16_linear_route(args.dtype)  # the bound's prefill and the workers on one route
-    prefill_warm = prefill_ms(model_dir, args.dtype, prompt, args.repeats, 0.0)
-    prefill = prefill_ms(model_dir, args.dtype, prompt, args.repeats, IDLE_S)
+    in_process = InProcessPrefill(model_dir, args.dtype, prompt)
+    prefill_warm = in_process.warm_ms(args.repeats)
     rows = []
     with EmbeddedRedis() as server:
         for wait in (float(w) for w in args.max_wait_ms.split(",")):
-            ttfts = lone_ttfts(server.url, model_dir, args.dtype, wait, prompt, args.repeats)
+            ttfts, prefills = lone_ttfts(server.url, model_dir, args.dtype, wait, in_process, args.repeats)
+            prefill = statistics.median(prefills)
             bound = wait + prefill + 5
             row = {
                 "max_wait_ms": wait,
