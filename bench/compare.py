@@ -613,7 +613,6 @@ SPEEDS = (
     "matmul_flops_per_s_peak",
 )
 DECODE_SPEED = SPEEDS[1]
-SLOW_CALL_BUDGETS = 3  # best_flops: a first call longer than this many time budgets is the measurement
 PROBE_ROWS = 64  # measure_matmul: rows of the probe that decides whether a bf16 matmul is worth timing
 
 
@@ -682,19 +681,12 @@ def time_kernel_linear(m: int, k: int, n: int, seconds: float) -> float:
 
 
 def best_flops(run, flops: int, seconds: float, sync=lambda: None) -> float:
-    """``flops`` over the fastest of repeated calls of ``run`` within ``seconds``. A call that
-    alone takes several times ``seconds`` (bf16 matmuls the library emulates, at prefill shapes)
-    is timed once: a GEMM that slow is not the roofline's, and timing it again cost minutes."""
+    """``flops`` over the fastest of repeated calls of ``run`` within ``seconds``."""
     import torch
 
     with torch.inference_mode():
-        t = time.perf_counter()
-        run()
-        sync()
-        first = time.perf_counter() - t
-        if first > SLOW_CALL_BUDGETS * seconds:
-            return flops / first
-        run()
+        for _ in range(2):
+            run()
         sync()
         best = float("inf")
         end = time.perf_counter() + seconds
