@@ -670,14 +670,13 @@ def time_kernel_linear(m: int, k: int, n: int, seconds: float) -> float:
     """tokenfleet's bf16 linear kernel on a weight packed for it (0 where it is not built)."""
     import torch
 
-    from tokenfleet.worker.cpu_linear import bf16_kernel_available
+    from tokenfleet.worker.cpu_linear import KernelLinear, bf16_kernel_available
 
     if not bf16_kernel_available():
         return 0.0
-    x, weight = torch.randn(m, k).to(torch.bfloat16), torch.randn(n, k).to(torch.bfloat16)
-    packed = torch.ops.tokenfleet.pack_linear_bf16(weight)
-    linear = torch.ops.tokenfleet.linear_bf16
-    return best_flops(lambda: linear(x, packed, n, None), 2 * m * k * n, seconds)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    linear = KernelLinear(torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16))
+    return best_flops(lambda: linear(x), 2 * m * k * n, seconds)
 
 
 def best_flops(run, flops: int, seconds: float, sync=lambda: None) -> float:
