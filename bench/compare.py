@@ -319,11 +319,11 @@ class InProcessEngine:
         device: str = "cpu",
     ):
         from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
-        from tokenfleet.worker.engine import Engine
+        from tokenfleet.engines.native.runner import ModelRunner
 
         self.reqs = reqs  # the workload its KV pool is sized for
         kv = KVCacheConfig(num_blocks=pool_blocks(reqs, max_batch_size))
-        self.engine = Engine(
+        self.engine = ModelRunner(
             model_dir, device=device, dtype=dtype, kv=kv, compile=compile, max_batch_size=max_batch_size
         )
         self.engine.warm_up()  # compiles (when asked) before the clock starts, as the worker does
@@ -349,9 +349,10 @@ class InProcessEngine:
         return traces, time.perf_counter() - start
 
     def _serve(self, batch: list[tuple[Req, Trace]]) -> None:
+        from tokenfleet.core.offline import run_offline
+        from tokenfleet.core.scheduler import Scheduler
+        from tokenfleet.core.sequence import SeqState
         from tokenfleet.protocol import Request
-        from tokenfleet.worker.scheduler import Scheduler
-        from tokenfleet.worker.sequence import SeqState
 
         engine = self.engine
 
@@ -364,26 +365,16 @@ class InProcessEngine:
             )
             return SeqState(i, request, list(req.prompt_ids), engine.tokenizer, engine.eos_token_ids, arrival)
 
-        sched = Scheduler(engine, self.batching)
+        def on_token(out) -> None:
+            trace = batch[out.seq.key][1]
+            trace.token_ids.append(out.token_id)
+            trace.token_times.append(time.perf_counter())
+
         start = time.perf_counter()
         for req, trace in batch:
             trace.arrival = start + req.arrival_s
-        nxt, left = 0, len(batch)
-        while left:
-            now = time.perf_counter()
-            while nxt < len(batch) and batch[nxt][1].arrival <= now:
-                sched.add(seq(nxt, batch[nxt][0], now), time.monotonic())
-                nxt += 1
-            if not sched.busy:
-                wait_until(batch[nxt][1].arrival)
-                continue
-            outputs = sched.step()
-            stamp = time.perf_counter()
-            for out in outputs:
-                trace = batch[out.seq.key][1]
-                trace.token_ids.append(out.token_id)
-                trace.token_times.append(stamp)
-                left -= out.finished
+        arrivals = [(req.arrival_s, seq(i, req, start + req.arrival_s)) for i, (req, _) in enumerate(batch)]
+        run_offline(Scheduler(engine, self.batching), arrivals, on_token)
 
 
 def run_engine(*args: Any, **kwargs: Any) -> dict:
@@ -670,7 +661,7 @@ def time_kernel_linear(m: int, k: int, n: int, seconds: float) -> float:
     """tokenfleet's bf16 linear kernel on a weight packed for it (0 where it is not built)."""
     import torch
 
-    from tokenfleet.worker.cpu_linear import KernelLinear, bf16_kernel_available
+    from tokenfleet.engines.native.cpu_linear import KernelLinear, bf16_kernel_available
 
     if not bf16_kernel_available():
         return 0.0

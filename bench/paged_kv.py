@@ -17,10 +17,10 @@ import time
 
 from bench.common import model_or_built
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
+from tokenfleet.core.scheduler import Scheduler
+from tokenfleet.core.sequence import SeqState
+from tokenfleet.engines.native.runner import ModelRunner
 from tokenfleet.protocol import Request
-from tokenfleet.worker.engine import Engine
-from tokenfleet.worker.scheduler import Scheduler
-from tokenfleet.worker.sequence import SeqState
 
 
 def workload(n: int, seed: int, max_prompt: int, max_new: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -34,7 +34,7 @@ def workload(n: int, seed: int, max_prompt: int, max_new: int, vocab: int) -> li
     ]
 
 
-def run_mode(engine: Engine, mode: str, jobs, args) -> dict:
+def run_mode(engine: ModelRunner, mode: str, jobs, args) -> dict:
     cfg = DynamicBatchingConfig(
         max_wait_ms=0,
         max_batch_size=args.max_batch_size,
@@ -60,15 +60,15 @@ def run_mode(engine: Engine, mode: str, jobs, args) -> dict:
     generated = 0
     start = time.perf_counter()
     while generated < sum(new for _, new in jobs):
-        outputs = sched.step()
+        outputs = sched.step().tokens
         generated += len(outputs)
         steps += 1
-        stats = engine.memory_stats()
+        stats = sched.memory_stats()
         if stats.blocks_used > peak_blocks:
             peak_blocks, peak_tokens = stats.blocks_used, stats.tokens_stored
     wall = time.perf_counter() - start
-    engine.allocator.check_integrity()
-    stats = engine.memory_stats()
+    sched.check_idle()
+    stats = sched.memory_stats()
     contiguous_max = stats.contiguous_bytes(args.max_batch_size, args.max_seq_len)
     longest = max(len(ids) + new for ids, new in jobs)
     contiguous_workload = stats.contiguous_bytes(args.max_batch_size, longest)
@@ -108,7 +108,7 @@ def main() -> None:
     args = p.parse_args()
 
     model = model_or_built(args.model)
-    engine = Engine(
+    engine = ModelRunner(
         model, device="cpu", dtype=args.dtype, kv=KVCacheConfig(block_size=args.block_size, num_blocks=4096)
     )
     jobs = workload(args.requests, args.seed, args.max_prompt, args.max_new, engine.vocab_size)

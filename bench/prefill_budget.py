@@ -21,9 +21,10 @@ from bench.compare import Req, make_workload, pool_blocks
 
 def serve_burst(engine, reqs: list[Req], budget: int, max_batch_size: int) -> dict:
     from tokenfleet.config import DynamicBatchingConfig
+    from tokenfleet.core.offline import run_offline
+    from tokenfleet.core.scheduler import Scheduler
+    from tokenfleet.core.sequence import SeqState
     from tokenfleet.protocol import Request
-    from tokenfleet.worker.scheduler import Scheduler
-    from tokenfleet.worker.sequence import SeqState
 
     longest = max(len(r.prompt_ids) for r in reqs)
     batching = DynamicBatchingConfig(
@@ -35,21 +36,21 @@ def serve_burst(engine, reqs: list[Req], budget: int, max_batch_size: int) -> di
         max_prefill_tokens=budget,
     )
     sched = Scheduler(engine, batching)
-    start = time.perf_counter()
+    seqs = []
     for i, r in enumerate(reqs):
         request = Request(
             id=f"r{i}", input_ids=tuple(r.prompt_ids), max_new_tokens=r.max_new_tokens, ignore_eos=True
         )
         seq = SeqState(i, request, list(r.prompt_ids), engine.tokenizer, engine.eos_token_ids, time.time())
-        sched.add(seq, time.monotonic())
+        seqs.append((0.0, seq))
     first: dict[int, float] = {}
-    tokens, left = 0, len(reqs)
-    while left:
-        for out in sched.step():
-            first.setdefault(out.seq.key, time.perf_counter() - start)
-            tokens += 1
-            left -= out.finished
-    wall = time.perf_counter() - start
+    start = time.perf_counter()
+
+    def on_token(out) -> None:
+        first.setdefault(out.seq.key, time.perf_counter() - start)
+
+    wall = run_offline(sched, seqs, on_token)
+    tokens = sum(r.max_new_tokens for r in reqs)
     ttft = sorted(first.values())
     return {
         "budget": budget,
@@ -75,12 +76,14 @@ def main() -> None:
     args = p.parse_args()
 
     from tokenfleet.config import KVCacheConfig
-    from tokenfleet.worker.engine import Engine
+    from tokenfleet.engines.native.runner import ModelRunner
 
     model_dir = model_or_built(args.model, args.size)
     reqs = make_workload("fixed", args.requests, args.prompt_len, args.new_tokens, 0.0, 0)
     kv = KVCacheConfig(num_blocks=pool_blocks(reqs, args.requests))
-    engine = Engine(model_dir, dtype=args.dtype, kv=kv, compile=args.compile, max_batch_size=args.requests)
+    engine = ModelRunner(
+        model_dir, dtype=args.dtype, kv=kv, compile=args.compile, max_batch_size=args.requests
+    )
     engine.warm_up()
     budgets = [int(b) for b in args.budgets.split(",")]
     serve_burst(engine, reqs[:2], budgets[0], args.requests)  # warm-up

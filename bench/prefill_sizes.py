@@ -37,7 +37,7 @@ def main() -> None:
     args = p.parse_args()
 
     from tokenfleet.config import KVCacheConfig
-    from tokenfleet.worker.engine import Engine
+    from tokenfleet.engines.native.runner import ModelRunner
 
     model_dir = model_or_built(args.model, args.size)
 
@@ -46,7 +46,7 @@ def main() -> None:
 
     workloads = [workload(1000 + seed) for seed in range(args.rounds)]
     kv = KVCacheConfig(num_blocks=pool_blocks([r for reqs in workloads for r in reqs], args.max_batch_size))
-    engine = Engine(
+    engine = ModelRunner(
         model_dir, dtype=args.dtype, kv=kv, compile=args.compile, max_batch_size=args.max_batch_size
     )
     engine.warm_up()

@@ -61,9 +61,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def engine(tiny_model: str):
     """One fp32 engine (greedy equivalence is checked in fp32: bf16 batched shapes round differently)."""
-    from tokenfleet.worker.engine import Engine
+    from tokenfleet.engines.native.runner import ModelRunner
 
-    return Engine(
+    return ModelRunner(
         tiny_model, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=2048)
     )
 
@@ -108,12 +108,16 @@ def reference(tiny_model: str) -> Reference:
 class RunningWorker:
     """A worker serving in a thread of the test process, stopped (and checked) on exit."""
 
-    def __init__(self, engine, redis_url: str, prefix: str, batching: DynamicBatchingConfig, **kw):
+    def __init__(self, engine, redis_url: str, prefix: str, batching: DynamicBatchingConfig, core=None, **kw):
+        """``engine``: a native model runner, served by a fresh scheduler; or ``core``: any engine
+        core (the vLLM one) built for ``batching``."""
+        from tokenfleet.core.scheduler import Scheduler
         from tokenfleet.worker.loop import Worker
 
         config = WorkerConfig(model="unused", redis_url=redis_url, prefix=prefix, batching=batching, **kw)
         self.batches: list = []
-        self.worker = Worker(config, engine=engine, on_batch=self.batches.append)
+        self.core = core or Scheduler(engine, batching, max_new_tokens_cap=config.max_new_tokens_cap)
+        self.worker = Worker(config, core=self.core, on_batch=self.batches.append)
         self.thread = threading.Thread(target=self.worker.run, daemon=True)
 
     def __enter__(self) -> RunningWorker:
@@ -126,9 +130,9 @@ class RunningWorker:
         self.worker.stop()
         self.thread.join(timeout=60)
         assert not self.thread.is_alive(), "worker did not stop"
-        alloc = self.worker.engine.allocator
-        alloc.check_integrity()
-        assert alloc.num_used_blocks == 0, "blocks leaked"
+        self.core.check_idle()
+        assert not self.core.held(), "the core still holds sequences"
+        assert self.core.capacity().kv_blocks_used == 0, "blocks leaked"
 
     @property
     def prefill_sizes(self) -> list[int]:

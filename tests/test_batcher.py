@@ -4,7 +4,6 @@ import pytest
 
 from tokenfleet.batcher import Batcher, PendingRequest
 from tokenfleet.config import DynamicBatchingConfig
-from tokenfleet.protocol import ErrorCode
 
 
 class FakeClock:
@@ -34,8 +33,7 @@ def make(
 
 
 def req(batcher, clock, key, length, new=4):
-    rejection = batcher.add(PendingRequest(key, length, new, clock()))
-    assert rejection is None
+    batcher.add(PendingRequest(key, length, new, clock()))
     return key
 
 
@@ -118,14 +116,11 @@ def test_max_padding_mixes_buckets_and_pads_to_longest():
     assert batch.padded_len == 30
 
 
-def test_rejects_prompts_too_long_for_every_bucket_or_max_seq_len():
+def test_a_prompt_no_bucket_holds_is_a_callers_bug():
     b, clock = make(buckets=(8, 16, 32), max_seq_len=40)
-    too_long = b.add(PendingRequest("x", 33, 1, clock()))
-    assert too_long.code == ErrorCode.PROMPT_TOO_LONG
-    over_seq = b.add(PendingRequest("y", 30, 11, clock()))
-    assert over_seq.code == ErrorCode.MAX_SEQ_LEN_EXCEEDED
-    assert b.add(PendingRequest("z", 30, 10, clock())) is None
-    assert len(b) == 1
+    with pytest.raises(ValueError, match="no bucket"):
+        b.add(PendingRequest("x", 33, 1, clock()))
+    assert len(b) == 0
 
 
 def test_padding_waste_is_reported_per_batch():

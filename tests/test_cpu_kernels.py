@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenfleet.worker.cpu_kernels import paged_attention_kernels
+from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
 
 pytestmark = pytest.mark.skipif(
     paged_attention_kernels() is None, reason="no C++ compiler: the SDPA fallback only"
@@ -125,11 +125,11 @@ def test_an_installed_package_carries_every_kernel_source():
     import tomllib
     from pathlib import Path
 
-    from tokenfleet.worker import cpu_kernels
+    from tokenfleet.engines.native import cpu_kernels
 
     root = Path(__file__).resolve().parents[1]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    shipped = globs["tokenfleet.worker"]
+    shipped = globs["tokenfleet.engines.native"]
     package_dir = Path(cpu_kernels.__file__).parent
     for path in cpu_kernels.CSRC.iterdir():
         relative = path.relative_to(package_dir).as_posix()

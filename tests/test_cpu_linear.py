@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenfleet.worker import cpu_linear
-from tokenfleet.worker.cpu_linear import PackedLinear, onednn_linears_wanted, pack_linears
+from tokenfleet.engines.native import cpu_linear
+from tokenfleet.engines.native.cpu_linear import PackedLinear, onednn_linears_wanted, pack_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -213,7 +213,7 @@ def test_auto_takes_the_bf16_kernel_only_where_it_measures_fastest(monkeypatch, 
     monkeypatch.delenv("TOKENFLEET_BF16_LINEAR", raising=False)
     # as on a Zen 4 EPYC: faster at 32 rows, level at 512
     monkeypatch.setattr(cpu_linear, "bf16_linear_speeds", fixed_speeds((0.8, 0.5), (1.0, 0.5)))
-    with caplog.at_level(logging.INFO, logger="tokenfleet.worker.cpu_linear"):
+    with caplog.at_level(logging.INFO, logger="tokenfleet.engines.native.cpu_linear"):
         assert cpu_linear.bf16_kernel_wanted(cpu, torch.bfloat16)
     assert "1.25x the fastest oneDNN GEMM" in caplog.text and "taken" in caplog.text
     # as on an AMX Xeon: oneDNN's tiles four times faster on prefill rows
@@ -240,28 +240,31 @@ def test_auto_takes_the_bf16_kernel_only_where_it_measures_fastest(monkeypatch, 
 def test_without_avx512_or_avx2_the_kernel_is_never_taken(monkeypatch, caplog):
     monkeypatch.setattr(cpu_linear, "bf16_kernel_available", lambda: False)
     monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "kernel")
-    with caplog.at_level(logging.WARNING, logger="tokenfleet.worker.cpu_linear"):
+    with caplog.at_level(logging.WARNING, logger="tokenfleet.engines.native.cpu_linear"):
         assert not cpu_linear.bf16_kernel_wanted(torch.device("cpu"), torch.bfloat16)
     assert "lacks AVX-512 and AVX2" in caplog.text
 
 
 @needs_kernel
 def test_a_bf16_engine_on_the_kernel_agrees_with_one_on_onednn(tiny_model, monkeypatch):
-    from tokenfleet.worker.engine import Engine
+    from tokenfleet.engines.native.runner import ModelRunner
+    from tokenfleet.kvcache.allocator import BlockAllocator
 
     prompts = [[5, 9, 13, 40, 2, 77], [100, 3], list(range(30, 60))]
     logits = {}
     for route in ("kernel", "native"):
         monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", route)
-        engine = Engine(tiny_model, device="cpu", dtype="bfloat16")
+        engine = ModelRunner(tiny_model, device="cpu", dtype="bfloat16")
         kinds = {type(m).__name__ for m in engine.model.modules()}
         assert ("KernelLinear" in kinds) is (route == "kernel")
+        alloc = BlockAllocator(engine.num_blocks, engine.block_size)
         ids = [(route, i) for i in range(len(prompts))]
-        for seq, prompt in zip(ids, prompts):
-            engine.allocator.allocate(seq, len(prompt))
-        first = engine.prefill(ids, prompts)
+        tables = [alloc.allocate(seq, len(prompt)) for seq, prompt in zip(ids, prompts)]
+        first = engine.prefill(tables, prompts)
         for seq in ids:
-            engine.allocator.append_slot(seq)
-        logits[route] = (first, engine.decode(ids, first.argmax(-1).tolist()))
+            alloc.append_slot(seq)
+        lengths = [alloc.num_tokens(seq) for seq in ids]
+        decoded = engine.decode([alloc.block_table(s) for s in ids], lengths, first.argmax(-1).tolist())
+        logits[route] = (first, decoded)
     for got, want in zip(logits["kernel"], logits["native"]):
         assert torch.allclose(got, want, rtol=0.05, atol=0.05)  # bf16 sums in another order

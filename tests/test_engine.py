@@ -8,10 +8,11 @@ import torch
 from conftest import TEST_DEVICE, Reference
 
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
+from tokenfleet.core.scheduler import Scheduler
+from tokenfleet.core.sequence import SeqState
+from tokenfleet.engines.native.runner import ModelRunner, prefill_padded_size
+from tokenfleet.kvcache.allocator import BlockAllocator
 from tokenfleet.protocol import Request
-from tokenfleet.worker.engine import Engine, prefill_padded_size
-from tokenfleet.worker.scheduler import Scheduler
-from tokenfleet.worker.sequence import SeqState
 
 PROMPTS = [
     "Hello",
@@ -44,7 +45,7 @@ def drain(sched, arrivals, max_steps=5000):
     while len(done) < pending and step < max_steps:
         for seq in arrivals.get(step, []):
             assert sched.add(seq, clock) is None
-        for out in sched.step():
+        for out in sched.step().tokens:
             if out.finished:
                 done.append(out.seq)
         step += 1
@@ -73,8 +74,8 @@ def test_greedy_equals_generate_with_staggered_mixed_arrivals(engine, reference,
     for seq in finished:
         expected = reference.greedy(seq.prompt_ids, seq.request.max_new_tokens)
         assert seq.generated == expected, seq.request.id
-    engine.allocator.check_integrity()
-    assert engine.allocator.num_used_blocks == 0
+    sched.check_idle()
+    assert sched.allocator.num_used_blocks == 0
 
 
 def test_continuous_mode_lets_requests_join_a_running_batch(engine, reference):
@@ -94,7 +95,7 @@ def test_continuous_mode_lets_requests_join_a_running_batch(engine, reference):
 
 def test_small_pool_forces_preemption_and_still_matches(tiny_model, reference):
     # 12 blocks of 4 tokens: four sequences of ~10 prompt + 24 new tokens cannot all stay resident
-    small = Engine(
+    small = ModelRunner(
         tiny_model, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=12)
     )
     cfg = DynamicBatchingConfig(
@@ -110,12 +111,12 @@ def test_small_pool_forces_preemption_and_still_matches(tiny_model, reference):
     for seq in finished:
         assert seq.generated == reference.greedy(seq.prompt_ids, 24, ignore_eos=True)
         assert len(seq.generated) == 24  # no duplicate or lost tokens across recompute
-    small.allocator.check_integrity()
-    assert small.allocator.num_used_blocks == 0
+    sched.check_idle()
+    assert sched.allocator.num_used_blocks == 0
 
 
 def test_request_larger_than_the_pool_is_rejected(tiny_model, reference):
-    small = Engine(
+    small = ModelRunner(
         tiny_model, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=3)
     )
     sched = Scheduler(small, DynamicBatchingConfig(max_seq_len=64, buckets=(16,)))
@@ -137,7 +138,7 @@ def test_stop_strings_cut_text_and_are_never_streamed(engine, reference):
     sched.add(seq, 0.0)
     streamed = []
     while not seq.finished:
-        streamed += [o.text for o in sched.step()]
+        streamed += [o.text for o in sched.step().tokens]
     assert seq.finish_reason == "stop"
     assert "".join(streamed) == text[: text.index(stop)]
 
@@ -164,12 +165,12 @@ def test_memory_stats_compare_with_contiguous_preallocation(engine, reference):
     for i, p in enumerate(PROMPTS[:4]):
         sched.add(seq_for(engine, reference, i, p, max_new=8), 0.0)
     sched.step()  # prefill
-    stats = engine.memory_stats()
+    stats = sched.memory_stats()
     assert stats.tokens_stored == sum(len(reference.ids(p)) for p in PROMPTS[:4])
     assert stats.slots_allocated >= stats.tokens_stored
     assert stats.bytes_used < stats.contiguous_bytes(4, 256)
-    sched.drop(lambda s: True)
-    assert engine.allocator.num_used_blocks == 0
+    sched.abort({s.key for s in sched.held()})
+    assert sched.allocator.num_used_blocks == 0
 
 
 def _greedy_batch(engine, reference, prompts, max_new):
@@ -178,7 +179,10 @@ def _greedy_batch(engine, reference, prompts, max_new):
     )
     sched = Scheduler(engine, cfg, clock=lambda: 1e9)
     seqs = [seq_for(engine, reference, i, p, max_new=max_new, ignore_eos=True) for i, p in enumerate(prompts)]
-    return {s.key: s.generated for s in drain(sched, {0: seqs[:5], 3: seqs[5:]})}
+    got = {s.key: s.generated for s in drain(sched, {0: seqs[:5], 3: seqs[5:]})}
+    sched.check_idle()
+    assert sched.allocator.num_used_blocks == 0
+    return got
 
 
 @pytest.mark.parametrize("path", ["kernel", "gather", "padded-batch"])
@@ -186,7 +190,7 @@ def test_every_attention_path_equals_generate(engine, reference, path):
     """The CPU kernels (decode reading the pool in place, prefill on the packed prompts), the
     gather/padding + SDPA fallback, and batches padded to the compiled buckets (scratch-block
     rows) all give generate's tokens."""
-    from tokenfleet.worker.cpu_kernels import paged_attention_kernels
+    from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
 
     on_cpu = engine.device.type == "cpu"
     if path == "kernel" and not (on_cpu and paged_attention_kernels() is not None):
@@ -202,8 +206,6 @@ def test_every_attention_path_equals_generate(engine, reference, path):
         engine.use_kernel, engine.use_prefill_kernel, engine.pad_decode_batches = saved
     for i, prompt in enumerate(PROMPTS):
         assert got[f"r{i}"] == reference.greedy(reference.ids(prompt), 14, ignore_eos=True), prompt
-    engine.allocator.check_integrity()
-    assert engine.allocator.num_used_blocks == 0
 
 
 def test_prefill_sizes_are_few_and_their_padding_small():
@@ -218,25 +220,23 @@ def test_prefill_padding_leaves_the_prompts_logits_and_cache_alone(engine, refer
     are those of the same prefill unpadded."""
     prompts = [reference.ids(p) for p in PROMPTS[:3]]
     assert prefill_padded_size(sum(map(len, prompts))) > sum(map(len, prompts))  # padding does happen
+    alloc = BlockAllocator(engine.num_blocks, engine.block_size)
     keys = [("pad", i) for i in range(len(prompts))]
     results = []
     saved = engine.pad_prefill
     try:
         for pad in (True, False):
             engine.pad_prefill = pad
-            for key, ids in zip(keys, prompts):
-                engine.allocator.allocate(key, len(ids))
+            tables = [alloc.allocate(key, len(ids)) for key, ids in zip(keys, prompts)]
             try:
-                logits = engine.prefill(keys, prompts)
-                slots = [
-                    engine.allocator.slot(k, i) for k, ids in zip(keys, prompts) for i in range(len(ids))
-                ]
+                logits = engine.prefill(tables, prompts)
+                slots = [alloc.slot(k, i) for k, ids in zip(keys, prompts) for i in range(len(ids))]
                 last_layer = (engine.store.k[-1], engine.store.v[-1])  # after every layer's attention
                 kv = torch.stack([t.flatten(0, 1)[torch.tensor(slots, device=t.device)] for t in last_layer])
                 results.append((logits, kv))
             finally:
                 for key in keys:
-                    engine.allocator.free(key)
+                    alloc.free(key)
     finally:
         engine.pad_prefill = saved
     (padded_logits, padded_kv), (logits, kv) = results
@@ -249,14 +249,9 @@ def test_packed_prefill_of_mixed_lengths_runs_in_one_forward(engine, reference):
     the prompt tokens and at most the padding to the next prefill size, and each prompt's next
     token is generate's."""
     prompts = [reference.ids(p) for p in PROMPTS]
-    keys = [("packed", i) for i in range(len(prompts))]
-    for key, ids in zip(keys, prompts):
-        engine.allocator.allocate(key, len(ids))
-    try:
-        logits = engine.prefill(keys, prompts)
-    finally:
-        for key in keys:
-            engine.allocator.free(key)
+    alloc = BlockAllocator(engine.num_blocks, engine.block_size)
+    tables = [alloc.allocate(("packed", i), len(ids)) for i, ids in enumerate(prompts)]
+    logits = engine.prefill(tables, prompts)
     assert engine.last_prefill_forwards == 1
     real = sum(len(p) for p in prompts)
     assert engine.last_prefill_tokens == (prefill_padded_size(real) if engine.pad_prefill else real)
@@ -268,7 +263,7 @@ def test_packed_prefill_of_mixed_lengths_runs_in_one_forward(engine, reference):
 def test_compiled_decode_equals_generate(tiny_model, reference):
     """torch.compile'd decode (frozen weights, autotuned matmuls, padded batches) keeps greedy
     equivalence; one bucket (max_batch_size 8) keeps the compile to well under a minute."""
-    compiled = Engine(
+    compiled = ModelRunner(
         tiny_model,
         device=TEST_DEVICE,
         dtype="float32",
@@ -294,7 +289,7 @@ def test_two_compiled_engines_in_one_process_each_run_their_own_weights(tiny_mod
     other_reference = Reference(other_dir)
     kv = KVCacheConfig(block_size=4, num_blocks=256)
     first, second = (
-        Engine(d, device=TEST_DEVICE, dtype="float32", kv=kv, compile=True, max_batch_size=8)
+        ModelRunner(d, device=TEST_DEVICE, dtype="float32", kv=kv, compile=True, max_batch_size=8)
         for d in (tiny_model, other_dir)
     )
     prompts = PROMPTS[:3]
@@ -310,7 +305,7 @@ def test_two_compiled_engines_in_one_process_each_run_their_own_weights(tiny_mod
 def test_prefill_attention_groups_prompts_of_similar_length():
     """Packed prefill pads prompts only to the longest of their group: every row in exactly one
     group, none shorter than GROUP_MIN_FRACTION of its group's longest."""
-    from tokenfleet.worker.attention import GROUP_MIN_FRACTION, length_groups
+    from tokenfleet.engines.native.attention import GROUP_MIN_FRACTION, length_groups
 
     lengths = [128, 16, 100, 97, 20, 256, 12, 128, 90]
     groups = length_groups(lengths)

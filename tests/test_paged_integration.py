@@ -9,9 +9,9 @@ from conftest import TEST_DEVICE
 
 from tokenfleet import protocol
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
+from tokenfleet.engines.native.runner import ModelRunner
 from tokenfleet.producer import Client
 from tokenfleet.protocol import Keys
-from tokenfleet.worker.engine import Engine
 
 PROMPTS = [
     "Hi",
@@ -65,7 +65,7 @@ def test_small_pool_preempts_and_every_request_completes_without_duplicates(
     from conftest import RunningWorker
 
     # 16 blocks of 4 tokens = 64 slots for 6 sequences of up to ~40 tokens each
-    small = Engine(
+    small = ModelRunner(
         tiny_model, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=16)
     )
     batching = DynamicBatchingConfig(
@@ -76,7 +76,7 @@ def test_small_pool_preempts_and_every_request_completes_without_duplicates(
         short = ["Hi", "zz", "x y z", "q", "Once upon", "fleet!"]
         handles = submit_staggered(client, short, max_new=28, gap_s=0.01, ignore_eos=True)
         check_replies(r, prefix, handles, reference, 28, ignore_eos=True)
-        assert running.worker.scheduler.preemptions > 0, "the pool was never short: the test proves nothing"
+        assert running.core.preemptions > 0, "the pool was never short: the test proves nothing"
 
 
 def test_concurrent_submitters_with_continuous_batching(

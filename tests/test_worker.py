@@ -14,7 +14,7 @@ from tokenfleet import protocol
 from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.errors import RequestFailed
 from tokenfleet.producer import AsyncClient, Client
-from tokenfleet.protocol import GROUP, ErrorCode, Keys
+from tokenfleet.protocol import GROUP, ErrorCode, Keys, smallest_bucket
 
 WORDS = [
     "alpha",
@@ -75,7 +75,7 @@ def test_concurrent_mixed_requests_over_buckets_match_generate(
             t.join()
     assert len(results) == len(prompts)
     buckets_used = {
-        running.worker.scheduler.batcher.bucket_for(len(reference.ids(p))) for p, _ in results.values()
+        smallest_bucket(running.core.config.buckets, len(reference.ids(p))) for p, _ in results.values()
     }
     assert len(buckets_used) >= 2, "the workload should span several buckets"
     for request_id, (prompt, res) in results.items():
@@ -308,8 +308,10 @@ def round_trips_per_decode_step(
         if event.kind == "decode":
             at_decode.append(connection.sends)
 
+    from tokenfleet.core.scheduler import Scheduler
+
     config = WorkerConfig(model="unused", redis_url=redis_url, prefix=prefix, **config_kw)
-    worker = Worker(config, engine=engine, client=counting, on_batch=on_batch)
+    worker = Worker(config, core=Scheduler(engine, config.batching), client=counting, on_batch=on_batch)
     worker.setup()
     worker.setup_done = True
     thread = threading.Thread(target=worker.run, daemon=True)

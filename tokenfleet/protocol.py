@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -46,6 +47,12 @@ DEFAULT_MAX_NEW_TOKENS = 64
 MAX_BODY_BYTES = 4 << 20
 
 _ID_RE = re.compile(rf"^[A-Za-z0-9._:\-]{{1,{MAX_ID_LEN}}}$")
+
+
+def smallest_bucket(buckets: Iterable[int], prompt_len: int) -> int | None:
+    """The smallest bucket that holds ``prompt_len`` tokens, or None if every bucket is shorter:
+    the one routing rule, shared by producers, the ``auto`` stream and the worker's admission."""
+    return min((b for b in buckets if prompt_len <= b), default=None)
 
 
 class ErrorCode:

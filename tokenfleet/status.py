@@ -68,7 +68,8 @@ def fleet_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
 def format_status(status: dict[str, Any]) -> str:
     lines = [f"fleet {status['prefix']!r}: {sum(w['alive'] for w in status['workers'])} live worker(s)", ""]
     lines.append(
-        f"{'worker':<28} {'state':<6} {'buckets':<16} {'device':<8} {'running':>7} {'waiting':>7} "
+        f"{'worker':<28} {'state':<6} {'buckets':<16} {'engine':<7} {'device':<8} "
+        f"{'running':>7} {'waiting':>7} "
         f"{'tok/s':>8} {'done':>7} {'KV used':>11}"
     )
     for w in status["workers"]:
@@ -76,7 +77,8 @@ def format_status(status: dict[str, Any]) -> str:
         served = ",".join(map(str, w.get("buckets", [])))
         lines.append(
             f"{w['name'][:28]:<28} {'alive' if w['alive'] else 'stale':<6} {served:<16} "
-            f"{w.get('device', '?'):<8} {w.get('running', 0):>7} {w.get('waiting', 0):>7} "
+            f"{w.get('engine', 'native'):<7} {w.get('device', '?'):<8} "
+            f"{w.get('running', 0):>7} {w.get('waiting', 0):>7} "
             f"{w.get('tokens_per_s', 0):>8} {w.get('finished', 0):>7} {kv:>11}"
         )
     lines += ["", f"{'bucket':<8} {'depth':>7} {'pending':>8} {'oldest waiting':>15}"]

@@ -1,5 +1,5 @@
 """Batch formation: buckets, padding and the static/dynamic/continuous dispatch rules (pure)."""
 
-from tokenfleet.batcher.batcher import Batch, Batcher, PendingRequest, Rejection
+from tokenfleet.batcher.batcher import Batch, Batcher, PendingRequest
 
-__all__ = ["Batch", "Batcher", "PendingRequest", "Rejection"]
+__all__ = ["Batch", "Batcher", "PendingRequest"]

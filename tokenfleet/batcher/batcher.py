@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenfleet.config import DynamicBatchingConfig
-from tokenfleet.protocol import ErrorCode
+from tokenfleet.protocol import smallest_bucket
 
 
 @dataclass
@@ -27,14 +27,6 @@ class PendingRequest:
     payload: Any = None
     bucket: int = field(default=0, init=False)
     order: int = field(default=0, init=False)  # arrival order at this batcher: breaks time ties
-
-
-@dataclass(frozen=True)
-class Rejection:
-    """Why a request can never be batched; ``code`` is a stable protocol error code."""
-
-    code: str
-    message: str
 
 
 @dataclass(frozen=True)
@@ -84,39 +76,17 @@ class Batcher:
 
     # -- admission ------------------------------------------------------------------------------
 
-    def bucket_for(self, prompt_len: int) -> int | None:
-        """Smallest bucket that holds ``prompt_len`` tokens, or None if the prompt is too long."""
-        for bucket in self.config.buckets:
-            if prompt_len <= bucket:
-                return bucket
-        return None
-
-    def check(self, prompt_len: int, max_new_tokens: int) -> Rejection | None:
-        """Why a request of this shape can never run here, or None if it can."""
-        if prompt_len < 1:
-            return Rejection(ErrorCode.INVALID_REQUEST, "the prompt has no tokens")
-        if self.bucket_for(prompt_len) is None:
-            return Rejection(
-                ErrorCode.PROMPT_TOO_LONG,
-                f"prompt has {prompt_len} tokens; the largest bucket is {self.config.largest_bucket}",
+    def add(self, item: PendingRequest) -> None:
+        """Queue ``item`` in its bucket. Whether it may run at all is admission's call
+        (:mod:`tokenfleet.core.admission`); a prompt longer than every bucket is a caller's bug."""
+        bucket = smallest_bucket(self.config.buckets, item.prompt_len)
+        if bucket is None:
+            raise ValueError(
+                f"no bucket holds a prompt of {item.prompt_len} tokens; admission should refuse it"
             )
-        if prompt_len + max_new_tokens > self.config.max_seq_len:
-            return Rejection(
-                ErrorCode.MAX_SEQ_LEN_EXCEEDED,
-                f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len "
-                f"({self.config.max_seq_len})",
-            )
-        return None
-
-    def add(self, item: PendingRequest) -> Rejection | None:
-        """Queue ``item`` in its bucket; returns a :class:`Rejection` instead if it can never run."""
-        rejection = self.check(item.prompt_len, item.max_new_tokens)
-        if rejection is not None:
-            return rejection
-        item.bucket = self.bucket_for(item.prompt_len)  # type: ignore[assignment]
+        item.bucket = bucket
         item.order = next(self._counter)
         self._queues[item.bucket].append(item)
-        return None
 
     # -- inspection -----------------------------------------------------------------------------
 

@@ -13,8 +13,8 @@ from collections.abc import Hashable
 
 import redis
 
+from tokenfleet.core.sequence import SeqState
 from tokenfleet.protocol import Keys
-from tokenfleet.worker.sequence import SeqState
 
 MAX_READ = 10_000
 

@@ -23,15 +23,16 @@ from redis.cluster import RedisCluster
 from tokenfleet import protocol
 from tokenfleet.config import WorkerConfig
 from tokenfleet.connection import connect_client
+from tokenfleet.core.admission import Refusal
+from tokenfleet.core.interface import BatchEvent, EngineCore, StepOutput
+from tokenfleet.core.sequence import SeqState
+from tokenfleet.engines import build_core
 from tokenfleet.errors import ProtocolError
 from tokenfleet.protocol import ErrorCode, Keys
 from tokenfleet.worker.cancels import NOT_READ, CancelWatch
-from tokenfleet.worker.engine import Engine
 from tokenfleet.worker.exchange import Exchange, Received
 from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.recovery import Reclaimer, read_progress
-from tokenfleet.worker.scheduler import BatchEvent, Scheduler, StepOutput
-from tokenfleet.worker.sequence import SeqState
 from tokenfleet.worker.streams import Entry, Outbox, StreamReader
 
 log = logging.getLogger(__name__)
@@ -66,25 +67,14 @@ class Worker:
     def __init__(
         self,
         config: WorkerConfig,
-        engine: Engine | None = None,
+        core: EngineCore | None = None,
         client: redis.Redis | None = None,
         on_batch: Callable[[BatchEvent], None] | None = None,
     ):
         self.config = config
         self.keys = Keys(config.prefix)
-        if engine is None:
-            engine = Engine(
-                config.model,
-                config.device,
-                config.dtype,
-                config.kv,
-                compile=config.compile,
-                max_batch_size=config.batching.max_batch_size,
-            )
-            if config.compile:  # before the worker announces itself: no request waits on a compile
-                log.info("compiled decode ready after %.0f s", engine.warm_up())
-        self.engine = engine
-        self.scheduler = Scheduler(self.engine, config.batching, on_batch=self._on_batch)
+        self.core = core if core is not None else build_core(config)
+        self.facts = self.core.facts
         self.client = client or connect(config.redis_url)
         self.name = config.name or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
         streams = [self.keys.request_stream(b) for b in config.batching.buckets] + [self.keys.auto_stream]
@@ -100,11 +90,11 @@ class Worker:
         )
         self._decode_step_s = self._round_trip_s = 0.0  # moving averages, for overlap_io auto
         self._last_exchange = float("-inf")  # when the last round trip for work and cancels began
-        self._prefilled = False  # whether the current step ran a prefill
         self._overlap_pays = False  # overlap_io auto's last choice, logged when it changes
         self.metrics = WorkerMetrics(self.name)
-        self.metrics.kv_blocks_total.set(self.engine.allocator.num_blocks)
-        self._preemptions_seen = 0
+        self._capacity = self.core.capacity()
+        self._kv_peak = self._capacity  # the pool at its fullest since the last burst ended
+        self.metrics.kv_blocks_total.set(self._capacity.kv_blocks_total)
         self._tokens_at_heartbeat = 0
         self.tokens_generated = 0
         self._stop = threading.Event()
@@ -182,8 +172,7 @@ class Worker:
     _metrics_served = False
 
     def _holds_work(self) -> bool:
-        s = self.scheduler
-        return bool(s.running or s.preempted or len(s.batcher) or len(self.outbox))
+        return bool(self.core.held() or len(self.outbox))
 
     def _teardown(self) -> None:
         self.exchange.close()
@@ -235,7 +224,7 @@ class Worker:
         server (a cluster pipeline keeps no order across nodes); with ``auto`` when the round
         trip, as last measured between steps, is a large enough share of a step."""
         mode = self.config.overlap_io
-        if mode == "off" or not (self._shared_round_trip and self.scheduler.busy and not self.stopping):
+        if mode == "off" or not self._round_trip_rides_on_steps:
             return False
         if mode == "on":
             return True
@@ -253,7 +242,7 @@ class Worker:
     def _exchange_due(self) -> bool:
         """Whether this turn makes its round trip: always when idle, stopping, on a cluster (no
         shared round trip) or with replies to send; otherwise every EXCHANGE_EVERY_S."""
-        if not (self._shared_round_trip and self.scheduler.busy and not self.stopping):
+        if not self._round_trip_rides_on_steps:
             return True
         return bool(len(self.outbox)) or time.monotonic() - self._last_exchange >= EXCHANGE_EVERY_S
 
@@ -263,7 +252,7 @@ class Worker:
         the step: new work joins the next one, cancels stop their requests before it."""
         t0 = time.perf_counter()
         self._last_exchange = time.monotonic()
-        self.exchange.start(self.config.batching.max_batch_size - self.scheduler.num_waiting)
+        self.exchange.start(self.config.batching.max_batch_size - self.core.num_waiting)
         try:
             outputs = self._step()
             t1 = time.perf_counter()
@@ -278,69 +267,81 @@ class Worker:
         self.time_intake_s += t2 - t1  # the part of the round trip the step did not hide
         self.time_redis_s += time.perf_counter() - t2
 
-    def _step(self) -> list[StepOutput]:
-        self._prefilled = False
+    @property
+    def _round_trip_rides_on_steps(self) -> bool:
+        """Whether the Redis round trip goes with the steps of a running batch (one server, a
+        batch in flight, not stopping) rather than once per turn on its own."""
+        return self._shared_round_trip and self.core.has_work and not self.stopping
+
+    def _step(self) -> StepOutput:
         began = time.perf_counter()
         try:
-            outputs = self.scheduler.step(flush=self.stopping)
+            output = self.core.step(flush=self.stopping)
         except Exception as e:  # a failed forward pass fails its sequences, never the worker
-            log.exception("step failed; failing the %d sequences it held", len(self.scheduler.running))
-            for seq in self.scheduler.drop(
-                lambda s: s in self.scheduler.running or s in self.scheduler.preempted
-            ):
+            started = self.core.running()
+            log.exception("step failed; failing the %d sequences it held", len(started))
+            for seq in self.core.abort({s.key for s in started}):
                 self._finish_error(seq, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
-            return []
-        if outputs and not self._prefilled:  # a prefill's length says nothing of the next steps
+            return StepOutput()
+        for event in output.batches:
+            self._on_batch(event)
+        for seq, message in output.failed:  # rows the backend could not run; their batch-mates go on
+            self._finish_error(seq, ErrorCode.INTERNAL, message)
+        self.metrics.preemptions.inc(len(output.preempted))
+        prefilled = any(event.kind == "prefill" for event in output.batches)
+        if output.tokens and not prefilled:  # a prefill's length says nothing of the next steps
             self._decode_step_s = _average(self._decode_step_s, time.perf_counter() - began)
-        return outputs
+        return output
 
-    def _end_turn(self, outputs: list[StepOutput]) -> None:
-        if not (self._shared_round_trip and self.scheduler.busy and not self.stopping):
+    def _end_turn(self, output: StepOutput) -> None:
+        if not self._round_trip_rides_on_steps:
             self._flush()  # otherwise the next turn's round trip takes them along
-        if outputs and not self.scheduler.held():
+        self._update_capacity()
+        if output.tokens and not self.core.held():  # a burst of work is done
             self._log_memory()
-        self.reclaimer.touch(lambda: [seq.key for seq in self.scheduler.held()])
+            try:
+                self.core.check_idle()
+            except RuntimeError:  # a bug in the core's bookkeeping; the queue goes on
+                log.exception("integrity check failed with the worker idle")
+        self.reclaimer.touch(lambda: [seq.key for seq in self.core.held()])
         if time.monotonic() - self._last_trim > TRIM_EVERY_S:
             self._last_trim = time.monotonic()
             self.reader.trim_acknowledged()
         self._heartbeat()
-        self._update_gauges()
 
-    def _update_gauges(self) -> None:
-        s, m = self.scheduler, self.metrics
-        m.kv_blocks_used.set(self.engine.allocator.num_used_blocks)
-        m.running.set(len(s.running))
-        m.waiting.set(s.num_waiting)
-        if s.preemptions > self._preemptions_seen:
-            m.preemptions.inc(s.preemptions - self._preemptions_seen)
-            self._preemptions_seen = s.preemptions
+    def _update_capacity(self) -> None:
+        self._capacity = cap = self.core.capacity()
+        if cap.kv_blocks_used > self._kv_peak.kv_blocks_used:
+            self._kv_peak = cap
+        m = self.metrics
+        m.kv_blocks_used.set(cap.kv_blocks_used)
+        m.running.set(cap.running)
+        m.waiting.set(cap.waiting)
 
     def _log_memory(self) -> None:
         """Once a burst of work is done: how full the KV pool got, next to what a contiguous cache
         preallocated for max_batch_size x max_seq_len would have reserved."""
-        peak, b = self.scheduler.peak, self.config.batching
+        peak, b = self._kv_peak, self.config.batching
         mib = 2**20
+        contiguous = b.max_batch_size * b.max_seq_len * peak.kv_bytes_per_block // max(1, peak.block_size)
         log.info(
-            "KV pool peak: %d/%d blocks used (%d free), %d tokens stored in %d slots; %.1f MiB vs %.1f MiB "
-            "for a contiguous %dx%d cache",
-            peak.blocks_used,
-            peak.blocks_total,
-            peak.blocks_free,
-            peak.tokens_stored,
-            peak.slots_allocated,
-            peak.bytes_used / mib,
-            peak.contiguous_bytes(b.max_batch_size, b.max_seq_len) / mib,
+            "KV pool peak: %d/%d blocks used (%d free); %.1f MiB vs %.1f MiB for a contiguous %dx%d cache",
+            peak.kv_blocks_used,
+            peak.kv_blocks_total,
+            peak.kv_blocks_free,
+            peak.kv_blocks_used * peak.kv_bytes_per_block / mib,
+            contiguous / mib,
             b.max_batch_size,
             b.max_seq_len,
         )
-        self.scheduler.reset_peak()
+        self._kv_peak = self._capacity
 
     def _block_ms(self) -> int | None:
         """How long the read may wait: not at all while a batch runs; until the next batch is
         due while requests wait; a bounded idle wait otherwise."""
-        if self.scheduler.busy:
+        if self.core.has_work:
             return None
-        ready = self.scheduler.ready_at()
+        ready = self.core.ready_at()
         if ready is None:
             return IDLE_BLOCK_MS
         return min(IDLE_BLOCK_MS, max(1, int((ready - time.monotonic()) * 1000) + 1))
@@ -348,7 +349,7 @@ class Worker:
     def _intake(self) -> object:
         """Take new (and reclaimed) work; returns the turn's read of the cancels stream when it
         shared the round trip, else ``NOT_READ``."""
-        room = self.config.batching.max_batch_size - self.scheduler.num_waiting
+        room = self.config.batching.max_batch_size - self.core.num_waiting
         block = self._block_ms()
         if block is None and self._shared_round_trip:
             began = time.perf_counter()
@@ -375,11 +376,11 @@ class Worker:
     def _read(self, room: int, block: int | None) -> list[Entry]:
         if room <= 0:
             return []
-        if block is not None and self.scheduler.num_waiting:
+        if block is not None and self.core.num_waiting:
             # A batch is forming: wait for it here, not in a blocking read. Redis times blocked
             # reads out on its own clock tick (tens of ms late), which would add that much to
             # every max_wait_ms; slices keep a batch that fills early from waiting it out.
-            ready = self.scheduler.ready_at()
+            ready = self.core.ready_at()
             left = IDLE_BLOCK_MS / 1000 if ready is None else ready - time.monotonic()
             if left > 0:
                 time.sleep(min(left, FORMING_POLL_MS / 1000))
@@ -387,12 +388,12 @@ class Worker:
         return self.reader.read(room, block)
 
     def _reclaim(self) -> None:
-        room = self.config.batching.max_batch_size - self.scheduler.num_waiting
+        room = self.config.batching.max_batch_size - self.core.num_waiting
         claimed_now = self.reclaimer.claim(room)
         if claimed_now:
             # our own entries too, when they sat idle past claim_idle_ms while we held them (e.g.
             # we could not reach Redis to touch them): those run here already
-            held = {seq.key for seq in self.scheduler.held()}
+            held = {seq.key for seq in self.core.held()}
             claimed_now = [c for c in claimed_now if (c.entry.stream, c.entry.entry_id) not in held]
         self.metrics.reclaims.inc(len(claimed_now))
         for claimed in claimed_now:
@@ -454,46 +455,32 @@ class Worker:
         now_wall, now = time.time(), time.monotonic()
         # the max_wait_ms window counts from when Redis accepted the request, not from our read
         arrived = now - min(max(0.0, now_wall - entry.enqueued_wall), 3600.0)
-        rejection = self.scheduler.add(seq, arrived)
-        if rejection is not None:
-            self._refuse(entry, ProtocolError(rejection.code, rejection.message, request_id=request.id))
+        refusal = self.core.add(seq, arrived)
+        if refusal is not None:
+            self._refuse(entry, ProtocolError(refusal.code, refusal.message, request_id=request.id))
+
+    def _check(self, refusal: Refusal | None, request: protocol.Request) -> None:
+        """Raise a refusal of admission as the request's error reply."""
+        if refusal is not None:
+            raise ProtocolError(refusal.code, refusal.message, request_id=request.id)
 
     def _tokens(self, request: protocol.Request, largest_bucket: int | None = None) -> list[int]:
+        admission = self.core.admission
         if request.input_ids is not None:
             ids = list(request.input_ids)
-            if max(ids) >= self.engine.vocab_size:
-                raise ProtocolError(
-                    ErrorCode.INVALID_REQUEST,
-                    f"input_ids hold {max(ids)}, outside the model's vocabulary of {self.engine.vocab_size}",
-                    request_id=request.id,
-                )
+            self._check(admission.check_ids(ids), request)
             return ids
-        # no token spans more characters than the longest in the vocabulary: a prompt longer than
-        # that times the largest bucket is refused without spending time tokenizing it
-        largest = largest_bucket or self.config.batching.largest_bucket
-        if len(request.prompt) > largest * self.engine.max_token_chars:
-            raise ProtocolError(
-                ErrorCode.PROMPT_TOO_LONG,
-                f"prompt of {len(request.prompt)} characters cannot fit the largest bucket "
-                f"({largest} tokens)",
-                request_id=request.id,
-            )
-        return self.engine.tokenizer(request.prompt).input_ids
+        self._check(admission.check_prompt_chars(request, largest_bucket), request)
+        return self.facts.tokenizer(request.prompt).input_ids
 
     def _sequence(self, entry: Entry, request: protocol.Request) -> SeqState:
-        if request.max_new_tokens > self.config.max_new_tokens_cap:
-            raise ProtocolError(
-                ErrorCode.INVALID_REQUEST,
-                f"max_new_tokens {request.max_new_tokens} is above this worker's cap of "
-                f"{self.config.max_new_tokens_cap}",
-                request_id=request.id,
-            )
+        self._check(self.core.admission.check_cap(request), request)
         return SeqState(
             key=(entry.stream, entry.entry_id),
             request=request,
             prompt_ids=self._tokens(request),
-            tokenizer=self.engine.tokenizer,
-            eos_ids=self.engine.eos_token_ids,
+            tokenizer=self.facts.tokenizer,
+            eos_ids=self.facts.eos_token_ids,
             enqueued_wall=entry.enqueued_wall,
         )
 
@@ -511,10 +498,10 @@ class Worker:
         it (not only ours: workers may serve different buckets)."""
         buckets = self._fleet_buckets()
         ids = self._tokens(request, largest_bucket=buckets[-1])
-        bucket = next((b for b in buckets if len(ids) <= b), None)
+        bucket = protocol.smallest_bucket(buckets, len(ids))
         if bucket is None:  # a worker with larger buckets may have joined since the last look
             buckets = self._fleet_buckets(refresh=True)
-            bucket = next((b for b in buckets if len(ids) <= b), None)
+            bucket = protocol.smallest_bucket(buckets, len(ids))
         if bucket is None:
             raise ProtocolError(
                 ErrorCode.PROMPT_TOO_LONG,
@@ -540,8 +527,9 @@ class Worker:
 
     # -- results --------------------------------------------------------------------------------
 
-    def _publish(self, outputs: list[StepOutput]) -> None:
+    def _publish(self, output: StepOutput) -> None:
         m = self.metrics
+        outputs = output.tokens
         m.generation_tokens.inc(len(outputs))
         self.tokens_generated += len(outputs)
         interval = self.config.stream_interval_ms / 1000
@@ -613,7 +601,7 @@ class Worker:
         """Stop what was cancelled (done, finish reason ``cancelled``) or ran out of time
         (``deadline_exceeded``), running or not, before the next step: blocks are freed at once
         and a waiting request never starts."""
-        held = self.scheduler.held()
+        held = self.core.held()
         if not held:
             return
         cancelled = self.cancels.cancelled(held, cancels_read)
@@ -621,7 +609,7 @@ class Worker:
         expired = {seq.key for seq in held if seq.key not in cancelled and self._expired(seq, now)}
         if not cancelled and not expired:
             return
-        for seq in self.scheduler.drop(lambda s: s.key in cancelled or s.key in expired):
+        for seq in self.core.abort(cancelled | expired):
             if seq.key in cancelled:
                 seq.finish_reason = protocol.FinishReason.CANCELLED
                 self._finish(seq)
@@ -633,7 +621,6 @@ class Worker:
         if event.kind == "decode":
             self.metrics.decode_batch.observe(event.size)
         if event.kind == "prefill":
-            self._prefilled = True
             self.metrics.prefill_batch.observe(event.size)
             self.metrics.padding_waste.observe(event.padding_waste)
             log.info(
@@ -655,18 +642,21 @@ class Worker:
         rate = (generated - self._tokens_at_heartbeat) / elapsed if elapsed < 60 else 0.0
         self._tokens_at_heartbeat = generated
         self._last_heartbeat = now
-        s = self.scheduler
+        cap = self._capacity
         self.client.hset(
             self.keys.workers,
             self.name,
             protocol.pack(
                 {
                     "buckets": list(self.config.batching.buckets),
-                    "device": str(self.engine.device),
-                    "dtype": str(self.engine.dtype).removeprefix("torch."),
+                    "engine": self.core.backend,
+                    "device": self.facts.device,
+                    "dtype": self.facts.dtype,
                     "mode": self.config.batching.mode,
-                    "running": len(s.running),
-                    "waiting": s.num_waiting,
+                    "running": cap.running,
+                    "waiting": cap.waiting,
+                    "kv_blocks_used": cap.kv_blocks_used,
+                    "kv_blocks_total": cap.kv_blocks_total,
                     "finished": self.requests_finished,
                     "tokens_per_s": round(rate, 1),
                     "seen": now,

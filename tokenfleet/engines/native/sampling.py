@@ -35,9 +35,12 @@ def sample_row(
 
 def choose_tokens(logits: torch.Tensor, params: list) -> list[int]:
     """One token per row of ``logits`` ``[B, vocab]``; ``params[i]`` has ``temperature``,
-    ``top_p``, ``top_k`` and ``generator`` (a :class:`~tokenfleet.worker.sequence.SeqState`)."""
+    ``top_p``, ``top_k``, ``request.seed`` and ``generator`` (a
+    :class:`~tokenfleet.core.sequence.SeqState`), which is made here on a sampled row's first use."""
     chosen = logits.argmax(dim=-1).tolist()  # the one host sync of a greedy step
     for row, p in enumerate(params):
         if p.temperature > 0.0:
+            if p.generator is None:
+                p.generator = make_generator(p.request.seed, logits.device)
             chosen[row] = sample_row(logits[row], p.temperature, p.top_p, p.top_k, p.generator)
     return chosen

@@ -6,10 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from tokenfleet.protocol import FinishReason, Request
-from tokenfleet.worker.sampling import make_generator
 
 
 class Detokenizer:
@@ -77,12 +74,8 @@ class SeqState:
 
     def __post_init__(self) -> None:
         self.detok = Detokenizer(self.tokenizer)
-        self.generator: torch.Generator | None = None
+        self.generator: Any = None  # the backend's random state for a sampled request, made on first use
         self._holdback = max((len(s) for s in self.request.stop), default=1) - 1
-
-    def init_generator(self, device: torch.device) -> None:
-        if self.request.temperature > 0.0 and self.generator is None:
-            self.generator = make_generator(self.request.seed, device)
 
     # sampling parameters, read by sampling.choose_tokens
     @property

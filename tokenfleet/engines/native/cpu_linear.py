@@ -37,7 +37,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from tokenfleet.worker.device import BF16_SLOWER_HINT, bf16_matmul_speed
+from tokenfleet.engines.native.device import BF16_SLOWER_HINT, bf16_matmul_speed
 
 DECODE_ROWS_HINT = 32  # the batch oneDNN lays the weight out for; any row count still works
 BF16_ROUTES = ("auto", "kernel", "float32", "native")
@@ -96,7 +96,7 @@ class KernelLinear(nn.Module):
 def bf16_kernel_available() -> bool:
     """Whether ``tokenfleet::linear_bf16`` is built for this CPU (it needs AVX-512 F, BW and VL, or
     AVX2 and FMA)."""
-    from tokenfleet.worker.cpu_kernels import paged_attention_kernels
+    from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
 
     if paged_attention_kernels() is None:
         return False
@@ -115,7 +115,7 @@ def bf16_linear_speeds(size: int = 1024, weights: int = 12, rounds: int = 5) -> 
     512 rows through one. The routes take turns within each round, so a shared host's drift hits
     them all (one route's rounds after another's picked the slower route on a 2-vCPU EPYC whose
     speed moved by half within a minute). ~0.3 s; ~1 s where the library emulates bf16 matmuls."""
-    from tokenfleet.worker.cpu_kernels import paged_attention_kernels
+    from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
 
     paged_attention_kernels()  # registers tokenfleet::linear_bf16
     routes: dict[str, list] = {"kernel": [], "native": [], "float32": []}

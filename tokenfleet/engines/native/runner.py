@@ -1,25 +1,28 @@
-"""The model runner: a Hugging Face causal LM whose attention reads and writes a paged KV cache.
+"""The native model runner: a Hugging Face causal LM whose attention reads and writes a paged KV cache.
 
-The engine owns the model, the K/V store and the block allocator. It knows nothing of Redis or
-of requests: callers give it sequence ids and token lists, and get next-token logits back.
+The runner owns the model and the K/V store; the scheduler owns the block allocator and hands the
+runner each sequence's block table. It knows nothing of Redis or of requests: callers give it
+block tables and token lists, and get next-token logits back.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
 from tokenfleet.config import KVCacheConfig
-from tokenfleet.kvcache.allocator import BlockAllocator
+from tokenfleet.core.interface import ModelFacts
+from tokenfleet.core.sequence import SeqState
+from tokenfleet.core.vocab import eos_token_ids, max_token_chars
+from tokenfleet.engines.native import attention
+from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
+from tokenfleet.engines.native.cpu_linear import KernelLinear, linear_route, pack_linears
+from tokenfleet.engines.native.device import select_device, select_dtype
+from tokenfleet.engines.native.sampling import choose_tokens
 from tokenfleet.kvcache.store import PagedKVStore
-from tokenfleet.worker import attention
-from tokenfleet.worker.cpu_kernels import paged_attention_kernels
-from tokenfleet.worker.cpu_linear import KernelLinear, linear_route, pack_linears
-from tokenfleet.worker.device import select_device, select_dtype
 
 log = logging.getLogger(__name__)
 
@@ -35,34 +38,7 @@ PREFILL_SIZES_PER_DOUBLING = 16
 MIN_PREFILL_PAD_STEP = 16
 
 
-@dataclass(frozen=True)
-class MemoryStats:
-    """What the paged pool holds now, next to what a contiguous cache would have reserved."""
-
-    blocks_total: int
-    blocks_used: int
-    block_size: int
-    tokens_stored: int
-    bytes_per_block: int
-
-    @property
-    def blocks_free(self) -> int:
-        return self.blocks_total - self.blocks_used
-
-    @property
-    def slots_allocated(self) -> int:
-        return self.blocks_used * self.block_size
-
-    @property
-    def bytes_used(self) -> int:
-        return self.blocks_used * self.bytes_per_block
-
-    def contiguous_bytes(self, batch_size: int, max_seq_len: int) -> int:
-        """Bytes a cache preallocated for ``batch_size × max_seq_len`` tokens would take."""
-        return batch_size * max_seq_len * self.bytes_per_block // self.block_size
-
-
-class Engine:
+class ModelRunner:
     """Loads a model with the paged attention function and runs prefill and decode steps."""
 
     def __init__(
@@ -107,7 +83,7 @@ class Engine:
             self.device,
             self.dtype,
         )
-        self.allocator = BlockAllocator(num_blocks, kv.block_size)
+        self.num_blocks = num_blocks  # what the scheduler's allocator may hand out
         # attention in C++ on CPU (decode straight from the pool, prefill on the packed prompts);
         # elsewhere (and without a compiler) SDPA runs on gathered blocks and padded prompts
         self.use_kernel = self.device.type == "cpu" and paged_attention_kernels() is not None
@@ -136,8 +112,10 @@ class Engine:
         )
         self.pad_decode_batches = compile  # to decode_buckets; eager steps can pad too (tests do)
         self.last_prefill_tokens = self.last_prefill_forwards = 0
-        self.eos_token_ids = self._eos_ids()
-        self.max_token_chars = self._max_token_chars()
+        self.eos_token_ids = eos_token_ids(
+            getattr(self.model, "generation_config", None), self.model.config, self.tokenizer
+        )
+        self.max_token_chars = max_token_chars(self.tokenizer)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         log.info(
             "engine: %s on %s/%s, KV pool %d blocks x %d tokens (%.1f MiB)",
@@ -148,6 +126,19 @@ class Engine:
             kv.block_size,
             self.store.nbytes / 2**20,
         )
+
+    def facts(self) -> ModelFacts:
+        return ModelFacts(
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size,
+            max_token_chars=self.max_token_chars,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+
+    def choose_tokens(self, logits: torch.Tensor, seqs: list[SeqState]) -> list[int]:
+        return choose_tokens(logits, seqs)
 
     def _blocks_for_budget(self, memory_bytes: int | None) -> int:
         if memory_bytes is None:
@@ -161,41 +152,14 @@ class Engine:
             )
         return blocks
 
-    def _max_token_chars(self) -> int:
-        """Most characters one token decodes to (bounds a prompt's length from its token count)."""
-        vocab = self.tokenizer.get_vocab()
-        longest = max((len(t) for t in vocab), default=1)
-        return max(1, longest + 1)  # +1: byte-level markers and word-boundary spaces
-
-    def _eos_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.model, "generation_config", None), self.model.config):
-            eos = getattr(source, "eos_token_id", None)
-            if eos is not None:
-                ids.update([eos] if isinstance(eos, int) else eos)
-        if not ids and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
-
-    # -- memory ---------------------------------------------------------------------------------
-
-    def memory_stats(self) -> MemoryStats:
-        return MemoryStats(
-            blocks_total=self.allocator.num_blocks,
-            blocks_used=self.allocator.num_used_blocks,
-            block_size=self.block_size,
-            tokens_stored=self.allocator.num_tokens_stored,
-            bytes_per_block=self.bytes_per_block,
-        )
-
     # -- forward passes -------------------------------------------------------------------------
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings()(hidden).float()
 
     @torch.inference_mode()
-    def prefill(self, seq_ids: Sequence[Hashable], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Run whole sequences (blocks already allocated for every token), packed without padding
+    def prefill(self, tables: Sequence[list[int]], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Run whole sequences (``tables``: each one's blocks, enough for every token), packed without padding
         into forwards of at most ``prefill_chunk_tokens``; write their K/V into the pool; return
         next-token logits ``[B, vocab]`` (float32) in the order given."""
         chunks: list[list[int]] = []
@@ -210,14 +174,13 @@ class Engine:
                 chunks.append([row])  # a prompt longer than the budget gets a forward of its own
                 in_chunk = len(tokens)
         logits = [
-            self._prefill_packed([seq_ids[i] for i in rows], [token_lists[i] for i in rows])
-            for rows in chunks
+            self._prefill_packed([tables[i] for i in rows], [token_lists[i] for i in rows]) for rows in chunks
         ]
         self.last_prefill_forwards = len(chunks)
         return torch.cat(logits)
 
     def _prefill_packed(
-        self, seq_ids: Sequence[Hashable], token_lists: Sequence[Sequence[int]]
+        self, tables: Sequence[list[int]], token_lists: Sequence[Sequence[int]]
     ) -> torch.Tensor:
         """One forward over the prompts laid end to end (``[1, N]``); attention unpacks them to
         one row per prompt, each attending causally to its own tokens."""
@@ -232,9 +195,9 @@ class Engine:
         ends = torch.cumsum(lengths, 0)
         starts = ends - lengths
         positions = torch.arange(real + pad) - starts[segment]
-        tables = self._block_tables(seq_ids, min_width=-(-pad // self.block_size))
+        table = self._block_tables(tables, min_width=-(-pad // self.block_size))
         if pad:
-            tables = torch.cat([tables, torch.full((1, tables.shape[1]), self.scratch_block)])
+            table = torch.cat([table, torch.full((1, table.shape[1]), self.scratch_block)])
         use_kernel = self.use_prefill_kernel
         mask = None
         if not use_kernel:  # the kernel reads prompt bounds, not a [B, 1, L, L] mask
@@ -245,7 +208,7 @@ class Engine:
         meta = attention.StepMetadata(
             store=self.store,
             is_prefill=True,
-            write_blocks=tables[segment, positions // self.block_size].to(dev),
+            write_blocks=table[segment, positions // self.block_size].to(dev),
             write_offsets=(positions % self.block_size).to(dev),
             mask=mask,
             starts=torch.cat([starts, ends[-1:]]).to(dev),
@@ -260,35 +223,36 @@ class Engine:
         last = (ends[: len(token_lists)] - 1).to(dev)
         return self._logits(hidden[0, last])
 
-    def _block_tables(self, seq_ids: Sequence[Hashable], min_width: int = 1) -> torch.Tensor:
-        tables = [self.allocator.block_table(s) for s in seq_ids]
+    def _block_tables(self, tables: Sequence[list[int]], min_width: int = 1) -> torch.Tensor:
         width = max(min_width, max(len(t) for t in tables))
         return torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in tables], dtype=torch.long)
 
     @torch.inference_mode()
-    def decode(self, seq_ids: Sequence[Hashable], last_tokens: Sequence[int]) -> torch.Tensor:
-        """One step for sequences whose newest token is not yet in the cache (its slot already
-        appended); returns next-token logits ``[B, vocab]`` (float32)."""
-        batch = len(seq_ids)
+    def decode(
+        self, block_tables: Sequence[list[int]], lengths: Sequence[int], last_tokens: Sequence[int]
+    ) -> torch.Tensor:
+        """One step for sequences whose newest token is not yet in the cache (``lengths`` count
+        it, its slot already in the table); returns next-token logits ``[B, vocab]`` (float32)."""
+        batch = len(block_tables)
         padded = self.pad_decode_batches and batch <= self.decode_buckets[-1]
         compiled = padded and self._compiled is not None
         rows = next(b for b in self.decode_buckets if b >= batch) if padded else batch
         # a table at least two blocks wide: a width of 1 would be specialised by the compiler
-        tables = self._block_tables(seq_ids, min_width=2 if padded else 1)
-        lengths = torch.tensor([self.allocator.num_tokens(s) for s in seq_ids], dtype=torch.long)
+        tables = self._block_tables(block_tables, min_width=2 if padded else 1)
+        stored = torch.tensor(list(lengths), dtype=torch.long)
         tokens = torch.tensor(last_tokens, dtype=torch.long)
         pad = rows - batch
         if pad:  # padding rows: one token each, in the scratch block
             tables = torch.cat([tables, torch.full((pad, tables.shape[1]), self.scratch_block)])
-            lengths = torch.cat([lengths, torch.ones(pad, dtype=torch.long)])
+            stored = torch.cat([stored, torch.ones(pad, dtype=torch.long)])
             tokens = torch.cat([tokens, torch.full((pad,), self.pad_token_id, dtype=torch.long)])
-        last = lengths - 1
+        last = stored - 1
         blocks = tables[torch.arange(rows), last // self.block_size]
         dev = self.device
         mask = None
         if not self.use_kernel:
             key_pos = torch.arange(tables.shape[1] * self.block_size)
-            mask = (key_pos[None, :] < lengths[:, None])[:, None, None, :].to(dev)
+            mask = (key_pos[None, :] < stored[:, None])[:, None, None, :].to(dev)
         meta = attention.StepMetadata(
             store=self.store,
             is_prefill=False,
@@ -296,7 +260,7 @@ class Engine:
             write_offsets=(last % self.block_size).to(dev),
             mask=mask,
             block_tables=tables.to(dev),
-            lengths=lengths.to(dev),
+            lengths=stored.to(dev),
             use_kernel=self.use_kernel,
         )
         hidden = self._forward(tokens[:, None].to(dev), last[:, None].to(dev), meta, compiled)
@@ -351,26 +315,13 @@ class Engine:
         if self._compiled is None:
             return 0.0
         start = time.perf_counter()
-        tokens = self.block_size + 1
+        tokens = self.block_size + 1  # two blocks each: blocks 2i and 2i+1, nothing else runs yet
         log.info("compiling prefill (once per worker start)")
-        keys = [("warm-up", 0), ("warm-up", 1)]
-        for key in keys:
-            self.allocator.allocate(key, tokens)
-        try:
-            self.prefill(keys, [[self.pad_token_id] * tokens] * 2)
-        finally:
-            for key in keys:
-                self.allocator.free(key)
+        self.prefill([[0, 1], [2, 3]], [[self.pad_token_id] * tokens] * 2)
         for rows in self.decode_buckets:
             log.info("compiling decode for batches up to %d (once per worker start)", rows)
-            keys = [("warm-up", i) for i in range(min(rows, self.allocator.num_blocks // 2))]
-            for key in keys:
-                self.allocator.allocate(key, tokens)
-            try:
-                self.decode(keys, [self.pad_token_id] * len(keys))
-            finally:
-                for key in keys:
-                    self.allocator.free(key)
+            n = min(rows, self.num_blocks // 2)
+            self.decode([[2 * i, 2 * i + 1] for i in range(n)], [tokens] * n, [self.pad_token_id] * n)
         return time.perf_counter() - start
 
 

