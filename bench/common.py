@@ -58,9 +58,17 @@ def allocator_env() -> dict[str, str]:
 
 
 @contextmanager
-def worker_process(url: str, prefix: str, model: str, flags: list[str], env: dict[str, str] | None = None):
+def worker_process(
+    url: str,
+    prefix: str,
+    model: str,
+    flags: list[str],
+    env: dict[str, str] | None = None,
+    python: str = sys.executable,
+):
     """A ``tokenfleet worker`` process on ``url`` under ``prefix``, yielded once it has announced
-    itself (after any ``--compile`` warm-up); SIGTERM, and a wait for it to finish, on exit."""
+    itself (after any ``--compile`` warm-up); SIGTERM, and a wait for it to finish, on exit.
+    ``python``: the interpreter of the virtualenv it runs in (vLLM's, for ``--engine vllm``)."""
     import redis
 
     from tokenfleet.protocol import Keys
@@ -68,7 +76,7 @@ def worker_process(url: str, prefix: str, model: str, flags: list[str], env: dic
     log_path = os.environ.get("BENCH_WORKER_LOG")  # keep the worker's log (where its time went)
     log = open(log_path, "a") if log_path else subprocess.DEVNULL  # noqa: SIM115 (closed below)
     worker = subprocess.Popen(
-        [sys.executable, "-m", "tokenfleet", "worker", "--model", model, *flags],
+        [python, "-m", "tokenfleet", "worker", "--model", model, *flags],
         env={**os.environ, **(env or {}), "REDIS_URL": url, "TOKENFLEET_PREFIX": prefix},
         stdout=subprocess.DEVNULL,
         stderr=log,

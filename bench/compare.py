@@ -84,6 +84,9 @@ EXTRA_ROWS = ("tokenfleet-e2e-compile-serial-io", "tokenfleet-e2e-compile-overla
 # ... and with one CPU fewer for the worker's threads, left to Redis, the client and the worker's
 # I/O (what vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU does; its best configuration here reserves none)
 EXTRA_ROWS += ("tokenfleet-e2e-compile-reserved-cpu",)
+# tokenfleet end to end on the vLLM backend: the worker runs in vLLM's virtualenv (where
+# setup_vllm.sh also installs this checkout), beside vllm-best on the same host and model
+EXTRA_ROWS += ("tokenfleet-e2e-vllm",)
 
 
 # -- workload -------------------------------------------------------------------------------------
@@ -533,22 +536,61 @@ async def drive_clients(
     return traces, max(ends) - start  # until the last result is in, not the clients' teardown
 
 
+def vllm_best_env() -> dict[str, str]:
+    """vLLM-CPU's fastest settings here: tcmalloc and its libiomp5 preloaded, its threads bound
+    to every CPU, a 4 GiB KV cache."""
+    iomp = VLLM_VENV / "lib" / "libiomp5.so"
+    preload = [p for p in (TCMALLOC, str(iomp)) if Path(p).exists()]
+    threads = os.cpu_count() or 1
+    return {
+        "LD_PRELOAD": ":".join(preload),
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "OMP_NUM_THREADS": str(threads),
+    }
+
+
+def run_e2e_vllm(
+    model_dir: str,
+    dtype: str,
+    reqs: list[Req],
+    max_batch_size: int,
+    max_seq_len: int,
+    wait_ms: float,
+    stream_interval_ms: float = 0.0,
+) -> dict:
+    """The ``tokenfleet-e2e-vllm`` row: a worker on the vLLM backend (in vLLM's virtualenv, with
+    vllm-best's settings), Redis, and the same client as the other end-to-end rows."""
+    from tokenfleet.embedded import EmbeddedRedis
+    from tokenfleet.producer import AsyncClient
+
+    prefix = f"compare-vllm-{os.getpid()}"
+    flags = ["--engine", "vllm", "--dtype", dtype, "--buckets", str(max_seq_len // 2)]
+    flags += ["--max-seq-len", str(max_seq_len), "--mode", "continuous", "--max-wait-ms", str(wait_ms)]
+    flags += ["--max-batch-size", str(max_batch_size), "--kv-cache-memory", "4GiB", "--device", "cpu"]
+    flags += ["--stream-interval-ms", str(stream_interval_ms)]
+    python = str(VLLM_VENV / "bin" / "python")
+    with (
+        EmbeddedRedis() as server,
+        worker_process(server.url, prefix, model_dir, flags, vllm_best_env(), python) as worker,
+    ):
+        counters = CpuCounters(server.url, worker.pid)
+        traces, wall = asyncio.run(
+            drive_clients(server.url, model_dir, prefix, reqs, AsyncClient, True, counters)
+        )
+    note = f"worker --engine vllm + Redis, {len(reqs)} concurrent requests through one asyncio client, "
+    note += f"max_wait_ms {wait_ms:g}, stream_interval_ms {stream_interval_ms:g}, vllm-best's settings"
+    return {**summarize("tokenfleet-e2e-vllm", traces, wall, note), **counters.used}
+
+
 def run_vllm(
     model_dir: str, dtype: str, reqs: list[Req], max_batch_size: int, max_seq_len: int, best: bool
 ) -> dict:
     env = dict(os.environ)
     name = "vllm-best" if best else "vllm-default"
     if best:
-        iomp = VLLM_VENV / "lib" / "libiomp5.so"
-        preload = [p for p in (TCMALLOC, str(iomp)) if Path(p).exists()]
-        threads = os.cpu_count() or 1
-        env.update(
-            LD_PRELOAD=":".join(preload),
-            VLLM_CPU_KVCACHE_SPACE="4",
-            VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
-            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-            OMP_NUM_THREADS=str(threads),
-        )
+        env.update(vllm_best_env())
     spec = {
         "model": model_dir,
         "dtype": dtype,
@@ -789,11 +831,12 @@ def main() -> None:
     reqs = make_workload(args.workload, args.requests, args.prompt_len, args.new_tokens, args.rate, args.seed)
     max_seq_len = max_seq_len_for(reqs)
     rows = args.only.split(",") if args.only else list(ROWS)
+    needs_vllm = lambda row: row.startswith("vllm") or row.endswith("-vllm")  # noqa: E731
     if args.device != "cpu":
-        rows = [r for r in rows if not r.startswith("vllm")]
+        rows = [r for r in rows if not needs_vllm(r)]
     if not VLLM_VENV.exists():
-        skipped = [r for r in rows if r.startswith("vllm")]
-        rows = [r for r in rows if not r.startswith("vllm")]
+        skipped = [r for r in rows if needs_vllm(r)]
+        rows = [r for r in rows if not needs_vllm(r)]
         if skipped:
             print(
                 f"skipping {', '.join(skipped)}: no {VLLM_VENV} (run bench/peers/setup_vllm.sh)",
@@ -848,6 +891,16 @@ def main() -> None:
         "tokenfleet-e2e-compile-overlap-io": partial(e2e, compile=True, overlap_io="on"),
         "tokenfleet-e2e-compile-reserved-cpu": partial(
             e2e, compile=True, threads=max(1, torch.get_num_threads() - 1)
+        ),
+        "tokenfleet-e2e-vllm": partial(
+            run_e2e_vllm,
+            model_dir,
+            args.dtype,
+            reqs,
+            args.max_batch_size,
+            max_seq_len,
+            args.max_wait_ms,
+            args.stream_interval_ms,
         ),
         "vllm-default": partial(vllm, best=False),
         "vllm-best": partial(vllm, best=True),

