@@ -17,6 +17,7 @@ import time
 
 from bench.common import model_or_built
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
+from tokenfleet.core.offline import run_offline
 from tokenfleet.core.scheduler import Scheduler
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.engines.native.runner import ModelRunner
@@ -42,8 +43,9 @@ def run_mode(engine: ModelRunner, mode: str, jobs, args) -> dict:
         buckets=(args.max_prompt,),
         mode=mode,
     )
-    sched = Scheduler(engine, cfg)
-    seqs = []
+    events: list = []  # one per forward pass
+    sched = Scheduler(engine, cfg, on_batch=events.append)
+    seqs, arrivals = [], []
     for i, (ids, new) in enumerate(jobs):
         req = Request(id=f"{mode}-{i}", input_ids=tuple(ids), max_new_tokens=new, ignore_eos=True)
         seq = SeqState(
@@ -54,19 +56,12 @@ def run_mode(engine: ModelRunner, mode: str, jobs, args) -> dict:
             eos_ids=engine.eos_token_ids,
             enqueued_wall=time.time(),
         )
-        assert sched.add(seq, time.monotonic()) is None
+        arrivals.append((0.0, seq))
         seqs.append(seq)
-    peak_blocks = peak_tokens = steps = 0
-    generated = 0
-    start = time.perf_counter()
-    while generated < sum(new for _, new in jobs):
-        outputs = sched.step().tokens
-        generated += len(outputs)
-        steps += 1
-        stats = sched.memory_stats()
-        if stats.blocks_used > peak_blocks:
-            peak_blocks, peak_tokens = stats.blocks_used, stats.tokens_stored
-    wall = time.perf_counter() - start
+    wall = run_offline(sched, arrivals)
+    steps = len(events)
+    generated = sum(len(s.generated) for s in seqs)
+    peak_blocks, peak_tokens = sched.peak.blocks_used, sched.peak.tokens_stored
     sched.check_idle()
     stats = sched.memory_stats()
     contiguous_max = stats.contiguous_bytes(args.max_batch_size, args.max_seq_len)
