@@ -52,3 +52,15 @@ def test_input_ids_must_name_tokens_of_the_model():
     a = admission()
     assert a.check_ids([0, 49]) is None
     assert a.check_ids([0, 50]).code == ErrorCode.INVALID_REQUEST
+
+
+def test_auto_engine_takes_vllm_only_on_an_accelerator_where_it_is_installed(monkeypatch):
+    from tokenfleet import engines
+
+    assert engines.choose_backend("native", "cuda") == ("native", "asked for")
+    assert engines.choose_backend("vllm", "cpu") == ("vllm", "asked for")
+    monkeypatch.setattr(engines, "vllm_installed", lambda: False)
+    assert engines.choose_backend("auto", "auto")[0] == "native"
+    monkeypatch.setattr(engines, "vllm_installed", lambda: True)
+    backend, why = engines.choose_backend("auto", "cpu")
+    assert backend == "native" and "CPU" in why
