@@ -57,6 +57,8 @@ WORKER_COMMANDS = (
         "+exists",
         "+xread",
         "+xrevrange",
+        "+set",
+        "+get",
     ]
 )
 
@@ -87,6 +89,7 @@ def worker_key_patterns(prefix: str) -> list[str]:
     return [
         f"~{keys.tag}:req:*",
         f"~{prefix}:reply:*",
+        f"~{prefix}:owner:*",
         f"~{keys.dead_letter}",
         f"~{keys.buckets}",
         f"~{keys.workers}",

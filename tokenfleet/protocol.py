@@ -43,10 +43,22 @@ MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_REPLY_TTL_S = 7 * 24 * 3600
 DEFAULT_REPLY_TTL_S = 24 * 3600
+# An error reply to a request whose own reply_ttl_s cannot be read (an undecodable entry)
+ERROR_REPLY_TTL_S = 3600
+# The dead-letter stream keeps about this many entries, each with at most this much of the body
+DEAD_LETTER_MAXLEN = 10_000
+DEAD_LETTER_BODY_BYTES = 4096
 DEFAULT_MAX_NEW_TOKENS = 64
 MAX_BODY_BYTES = 4 << 20
+# Deepest nesting of lists and maps a request may hold (the protocol's own fields need 2: a map of
+# lists); a deeper entry is undecodable before anything walks it, so no code recursing over it
+# (JSON's parser, msgpack's packer, a repr) can blow the stack of the worker that took it
+MAX_NESTING = 8
 
-_ID_RE = re.compile(rf"^[A-Za-z0-9._:\-]{{1,{MAX_ID_LEN}}}$")
+_ID_RE = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_ID_LEN}}}")  # fullmatch: no newline slips past a "$"
+# plain-form numbers: ASCII digits only (int() takes "٣", "1_0" and " 5 ")
+_PLAIN_INT_RE = re.compile(r"-?[0-9]{1,20}")
+_PLAIN_FLOAT_RE = re.compile(r"-?(?:[0-9]{1,20}(?:\.[0-9]{0,20})?|\.[0-9]{1,20})(?:[eE][-+]?[0-9]{1,4})?")
 
 
 def smallest_bucket(buckets: Iterable[int], prompt_len: int) -> int | None:
@@ -64,6 +76,7 @@ class ErrorCode:
     UNSUPPORTED_VERSION = "unsupported_version"  # protocol version this worker does not speak
     UNDECODABLE = "undecodable"  # the body is not msgpack / not a map / not UTF-8
     CACHE_TOO_SMALL = "cache_too_small"  # the request could never fit in the worker's KV cache
+    DUPLICATE_ID = "duplicate_id"  # another request with this id is in flight or answered
     DEADLINE_EXCEEDED = "deadline_exceeded"  # the request's deadline passed
     TOO_MANY_ATTEMPTS = "too_many_attempts"  # delivered too often without finishing
     INTERNAL = "internal_error"  # a bug or device failure while running the request
@@ -115,6 +128,12 @@ class Keys:
         """A client's own stream: an entry ends the client's blocked XREAD over the reply streams
         it follows, so that the next read includes a stream it started following (expires)."""
         return f"{self.prefix}:client:{client_id}:wake"
+
+    def owner(self, request_id: str) -> str:
+        """The request stream entry that owns a request id (``stream entry-id``), set by the
+        worker that takes it, kept as long as its reply stream: a second entry with the same id
+        is refused (``duplicate_id``), never merged into the first one's replies."""
+        return f"{self.prefix}:owner:{request_id}"
 
     def cancel(self, request_id: str) -> str:
         """Exists (any value, with a TTL) when a request is cancelled; checked when a worker takes it."""
@@ -253,7 +272,7 @@ def _as_int_list(rid: str | None, name: str, value: Any, max_len: int) -> tuple[
 def _request_id(body: dict[str, Any]) -> str | None:
     """The request id if it is usable as a reply key, else None."""
     rid = body.get("id")
-    if isinstance(rid, str) and _ID_RE.match(rid):
+    if isinstance(rid, str) and _ID_RE.fullmatch(rid):
         return rid
     return None
 
@@ -333,10 +352,31 @@ def _reject_ext(code: int, data: bytes) -> Any:
 
 
 def unpack(data: bytes) -> Any:
-    """Decode msgpack data from Redis: plain data only, bounded sizes, no extension types."""
+    """Decode msgpack data from Redis: plain data only, bounded sizes and nesting (msgpack's own
+    stack stops at 1,024; :data:`MAX_NESTING` is ours), no extension types."""
     if len(data) > MAX_BODY_BYTES:
         raise ValueError(f"body is larger than {MAX_BODY_BYTES} bytes")
-    return msgpack.unpackb(data, raw=False, ext_hook=_reject_ext, strict_map_key=True, timestamp=0)
+    obj = msgpack.unpackb(data, raw=False, ext_hook=_reject_ext, strict_map_key=True, timestamp=0)
+    check_nesting(obj)
+    return obj
+
+
+def check_nesting(obj: Any, limit: int = MAX_NESTING) -> None:
+    """Raise ``ValueError`` if lists and maps nest deeper than ``limit``; iterative (a recursive
+    walk is what a deep entry would break), and it only descends into containers, so a flat list
+    of 100k token ids costs one pass in C."""
+    if not isinstance(obj, (list, tuple, dict)):
+        return
+    stack = [(obj, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+        kinds = set(map(type, children))
+        if not kinds & {list, tuple, dict}:
+            continue
+        if depth >= limit:
+            raise ValueError(f"lists and maps nest deeper than {limit}")
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (list, tuple, dict)))
 
 
 def pack(obj: Any) -> bytes:
@@ -344,25 +384,42 @@ def pack(obj: Any) -> bytes:
 
 
 def _plain_value(name: str, raw: str) -> Any:
-    """Parse one plain-string field of a ``redis-cli XADD`` request by the schema's type."""
+    """Parse one plain-string field of a ``redis-cli XADD`` request by the schema's type: exactly
+    the forms PROTOCOL.md gives (ASCII decimal numbers, JSON arrays nested at most
+    :data:`MAX_NESTING` deep); anything else stays a string, which validation then refuses."""
     if name in _INT_FIELDS:
-        try:
-            return int(raw)
-        except ValueError:
-            return raw  # left as a string: validation reports the type
+        return int(raw) if _PLAIN_INT_RE.fullmatch(raw) else raw
     if name in _FLOAT_FIELDS:
-        try:
-            return float(raw)
-        except ValueError:
-            return raw
+        return float(raw) if _PLAIN_FLOAT_RE.fullmatch(raw) else raw
     if name in ("input_ids", "stop", "stop_token_ids"):
+        if raw.count("[") + raw.count("{") > MAX_NESTING:
+            _check_json_nesting(raw)  # only then can it be too deep: flat arrays skip the scan
         try:
-            return json.loads(raw)  # JSON arrays: data only, never evaluated
+            value = json.loads(raw)  # JSON arrays: data only, never evaluated
         except ValueError:
             return raw
+        check_nesting(value)
+        return value
     if name == "ignore_eos":
         return {"true": True, "1": True, "false": False, "0": False}.get(raw.lower(), raw)
     return raw
+
+
+def _check_json_nesting(raw: str) -> None:
+    """Raise ``ValueError`` if a JSON text's brackets nest deeper than :data:`MAX_NESTING`,
+    before the parser (which recurses) sees it."""
+    depth, in_string, escaped = 0, False, False
+    for ch in raw:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_NESTING:
+                raise ValueError(f"lists and maps nest deeper than {MAX_NESTING}")
+        elif ch in "]}":
+            depth -= 1
 
 
 def decode_request_body(fields: dict[bytes, bytes]) -> dict[str, Any]:
@@ -371,6 +428,8 @@ def decode_request_body(fields: dict[bytes, bytes]) -> dict[str, Any]:
     Raises :class:`ProtocolError` with ``dead_letter`` set if the body cannot be decoded.
     """
     try:
+        if sum(len(k) + len(v) for k, v in fields.items()) > MAX_BODY_BYTES:
+            raise ValueError(f"entry is larger than {MAX_BODY_BYTES} bytes")
         if BODY_FIELD in fields:
             body = unpack(fields[BODY_FIELD])
             if not isinstance(body, dict):
@@ -378,7 +437,15 @@ def decode_request_body(fields: dict[bytes, bytes]) -> dict[str, Any]:
             return body
         plain = {k.decode("utf-8"): v.decode("utf-8") for k, v in fields.items()}
         return {k: _plain_value(k, v) for k, v in plain.items()}
-    except (ValueError, TypeError, UnicodeDecodeError, msgpack.UnpackException) as e:
+    # RecursionError and MemoryError too: nothing an entry holds may escape its own error path
+    except (
+        ValueError,
+        TypeError,
+        UnicodeDecodeError,
+        msgpack.UnpackException,
+        RecursionError,
+        MemoryError,
+    ) as e:
         raise ProtocolError(
             ErrorCode.UNDECODABLE, f"cannot decode request body: {e}", dead_letter=True
         ) from e
@@ -395,18 +462,32 @@ def decode_request(fields: dict[bytes, bytes]) -> Request:
         raise
 
 
+def salvage_reply_ttl(fields: dict[bytes, bytes]) -> int:
+    """The reply TTL an error reply to this entry gets: the request's own ``reply_ttl_s`` where
+    it can be read and is valid, else :data:`ERROR_REPLY_TTL_S`; never raises."""
+    try:
+        ttl = decode_request_body(fields).get("reply_ttl_s")
+    except Exception:  # noqa: BLE001 (undecodable: the short default)
+        return ERROR_REPLY_TTL_S
+    lo, hi = _INT_FIELDS["reply_ttl_s"]
+    if isinstance(ttl, int) and not isinstance(ttl, bool) and lo <= ttl <= hi:
+        return ttl
+    return DEFAULT_REPLY_TTL_S if ttl is None else ERROR_REPLY_TTL_S
+
+
 def encode_request(request: Request) -> dict[bytes, bytes]:
     """Stream fields of a request in the msgpack form."""
     return {BODY_FIELD: pack(request.to_wire())}
 
 
 def salvage_request_id(fields: dict[bytes, bytes]) -> str | None:
-    """Best-effort request id from an entry that failed to decode, so its caller still hears back."""
+    """Best-effort request id from an entry that failed to decode, so its caller still hears
+    back; never raises, whatever the entry holds."""
     try:
         return _request_id(decode_request_body(fields))
-    except ProtocolError:
-        raw = fields.get(b"id")
-        if raw is not None:
+    except Exception:  # noqa: BLE001 (the salvage of a broken entry must not break in turn)
+        raw = fields.get(b"id") if isinstance(fields, dict) else None
+        if isinstance(raw, bytes) and len(raw) <= MAX_ID_LEN:
             try:
                 return _request_id({"id": raw.decode("utf-8")})
             except UnicodeDecodeError:

@@ -43,7 +43,7 @@ class Runner(Protocol):
 
     def decode(self, tables: list[list[int]], lengths: list[int], last_tokens: list[int]) -> Any: ...
 
-    def choose_tokens(self, logits: Any, seqs: list[SeqState]) -> list[int]: ...
+    def choose_tokens(self, logits: Any, seqs: list[SeqState]) -> list[int | None]: ...
 
 
 @dataclass(frozen=True)
@@ -305,9 +305,16 @@ class Scheduler:
             self._step_output.preempted.append(victim)
             log.info("KV pool full: preempted %s after %d tokens", victim.request.id, len(victim.generated))
 
-    def _advance(self, seqs: list[SeqState], tokens: list[int]) -> list[TokenOutput]:
-        outputs = [TokenOutput.append(seq, token) for seq, token in zip(seqs, tokens)]
-        for seq in seqs:
+    def _advance(self, seqs: list[SeqState], tokens: list[int | None]) -> list[TokenOutput]:
+        """Append each sequence's token; a row without one (it could not be sampled) leaves the
+        batch as failed, its blocks freed."""
+        outputs = []
+        for seq, token in zip(seqs, tokens):
+            if token is None:
+                self._release(seq)
+                self._step_output.failed.append((seq, seq.sampling_error or "no token was chosen"))
+                continue
+            outputs.append(TokenOutput.append(seq, token))
             if seq.finished:
                 self._release(seq)
         return outputs

@@ -32,7 +32,8 @@ from tokenfleet.protocol import ErrorCode, Keys
 from tokenfleet.worker.cancels import NOT_READ, CancelWatch
 from tokenfleet.worker.exchange import Exchange, Received
 from tokenfleet.worker.metrics import WorkerMetrics
-from tokenfleet.worker.recovery import Reclaimer, read_progress
+from tokenfleet.worker.ratelog import RateLimitedLog
+from tokenfleet.worker.recovery import Claimed, Reclaimer, read_progress
 from tokenfleet.worker.streams import Entry, Outbox, StreamReader
 
 log = logging.getLogger(__name__)
@@ -57,10 +58,20 @@ EMA = 0.2  # weight of the newest sample in the step and round-trip averages
 EXCHANGE_EVERY_S = 0.005
 
 
-def connect(url: str) -> redis.Redis:
+def connect(url: str, should_stop: Callable[[], bool] = lambda: False) -> redis.Redis:
     """A client for ``redis://`` or ``rediss://`` URLs (user/password in the URL work); a
-    cluster-aware one when the server is a Redis Cluster node."""
-    return connect_client(url, socket_keepalive=True, health_check_interval=30)
+    cluster-aware one when the server is a Redis Cluster node. While the server cannot be
+    reached (a fleet whose Redis restarts), retried with capped backoff, as the loop does."""
+    backoff = BACKOFF_START_S
+    while True:
+        try:
+            return connect_client(url, socket_keepalive=True, health_check_interval=30)
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            if should_stop():
+                raise
+            log.warning("redis unavailable at start-up (%s); retrying in %.1fs", e, backoff)
+            time.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
 
 
 class Worker:
@@ -75,7 +86,8 @@ class Worker:
         self.keys = Keys(config.prefix)
         self.core = core if core is not None else build_core(config)
         self.facts = self.core.facts
-        self.client = client or connect(config.redis_url)
+        self._stop = threading.Event()
+        self.client = client or connect(config.redis_url, self._stop.is_set)
         self.name = config.name or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
         streams = [self.keys.request_stream(b) for b in config.batching.buckets] + [self.keys.auto_stream]
         self.reader = StreamReader(self.client, streams, self.name)
@@ -97,7 +109,7 @@ class Worker:
         self.metrics.kv_blocks_total.set(self._capacity.kv_blocks_total)
         self._tokens_at_heartbeat = 0
         self.tokens_generated = 0
-        self._stop = threading.Event()
+        self._warn = RateLimitedLog(log)  # repeated warnings: one line per 10 s per kind
         self._user_on_batch = on_batch
         self._last_heartbeat = 0.0
         self._last_trim = time.monotonic()
@@ -130,8 +142,8 @@ class Worker:
         self.cancels.start()
         if not self._recovered_own:  # once per process: our own unfinished entries first
             self._recovered_own = True
-            for entry in self.reader.read_own_pending(self.config.batching.max_batch_size * 4):
-                self._accept(entry, redelivered=True)
+            own = self.reader.read_own_pending(self.config.batching.max_batch_size * 4)
+            self._recover(self.reclaimer.with_deliveries(own))
         log.info(
             "worker %s serving buckets %s (mode %s, max_batch_size %d, max_wait_ms %g)",
             self.name,
@@ -163,6 +175,11 @@ class Worker:
                     # read unblocked because the key vanished): recreate the groups and go on
                     log.warning("redis refused a command (%s); re-creating groups in %.1fs", e, backoff)
                     self.setup_done = False
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, BACKOFF_MAX_S)
+                except Exception:  # a bug must not stop the fleet's worker: log it, back off, go on
+                    self.metrics.failed(ErrorCode.INTERNAL)
+                    self._warn.log(logging.ERROR, "turn", "a turn of the loop failed", exc_info=True)
                     time.sleep(backoff)
                     backoff = min(backoff * 2, BACKOFF_MAX_S)
         finally:
@@ -396,7 +413,13 @@ class Worker:
             held = {seq.key for seq in self.core.held()}
             claimed_now = [c for c in claimed_now if (c.entry.stream, c.entry.entry_id) not in held]
         self.metrics.reclaims.inc(len(claimed_now))
-        for claimed in claimed_now:
+        self._recover(claimed_now)
+
+    def _recover(self, entries: list[Claimed]) -> None:
+        """Take entries delivered before (ours after a restart, or claimed from a dead worker).
+        One delivered more than ``max_attempts`` times, a poison entry that killed every worker
+        taking it say, is dead-lettered without being decoded again."""
+        for claimed in entries:
             if claimed.deliveries > self.config.max_attempts:
                 self._refuse(
                     claimed.entry,
@@ -434,6 +457,7 @@ class Worker:
                 self._route(entry, request)
                 return
             seq = self._sequence(entry, request)
+            self._claim_id(entry, request)
         except ProtocolError as e:
             self._refuse(entry, e)
             return
@@ -512,18 +536,43 @@ class Worker:
         self.outbox.move(entry, self.keys.request_stream(bucket), protocol.encode_request(routed))
 
     def _refuse(self, entry: Entry, error: ProtocolError) -> None:
+        """Answer an entry that will not run: an ``error`` reply (with the request's own reply TTL
+        where it can be read) when an id can be, a dead letter when the entry cannot be served at
+        all; then acknowledge it. A duplicate id gets no reply: that stream is the first one's."""
         self.metrics.failed(error.code)
-        request_id = error.request_id or protocol.salvage_request_id(entry.fields)
+        duplicate = error.code == ErrorCode.DUPLICATE_ID
+        request_id = None if duplicate else error.request_id or protocol.salvage_request_id(entry.fields)
         if error.dead_letter:
-            log.warning("dead-lettering %s %s: %s", entry.stream, entry.entry_id, error.message)
+            self._warn.log(
+                logging.WARNING,
+                "dead letter",
+                "dead-lettering %s %s: %s",
+                entry.stream,
+                entry.entry_id,
+                error.message[:300],
+            )
             self.outbox.dead_letter(entry, error.code, error.message, self.name)
         else:
-            log.info("refusing request %s: %s", request_id, error.code)
+            log.debug("refusing request %s: %s", request_id, error.code)
         if request_id is not None:
-            self.outbox.event(
-                request_id, protocol.error_event(error.code, error.message), protocol.DEFAULT_REPLY_TTL_S
-            )
+            event = protocol.error_event(error.code, error.message)
+            self.outbox.event(request_id, event, protocol.salvage_reply_ttl(entry.fields))
         self.outbox.ack(entry.stream, entry.entry_id)
+
+    def _claim_id(self, entry: Entry, request: protocol.Request) -> None:
+        """Make this entry the owner of its request id for as long as the replies live; a
+        different entry that already owns it (in flight or answered) makes this one a
+        ``duplicate_id``. The same entry redelivered after a crash owns it already."""
+        key, me = self.keys.owner(request.id), f"{entry.stream} {entry.entry_id}"
+        if self.client.set(key, me, nx=True, ex=request.reply_ttl_s):
+            return
+        owner = self.client.get(key)
+        if owner is not None and owner.decode() != me:
+            raise ProtocolError(
+                ErrorCode.DUPLICATE_ID,
+                f"request id {request.id} belongs to another request ({owner.decode()})",
+                dead_letter=True,
+            )
 
     # -- results --------------------------------------------------------------------------------
 

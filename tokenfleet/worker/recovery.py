@@ -83,6 +83,18 @@ class Reclaimer:
             log.info("claimed %d entries left idle by other workers", len(claimed))
         return claimed
 
+    def with_deliveries(self, entries: list[Entry]) -> list[Claimed]:
+        """Our own pending ``entries`` (read again after a restart) with their delivery counts."""
+        by_stream: dict[str, list[Entry]] = {}
+        for entry in entries:
+            by_stream.setdefault(entry.stream, []).append(entry)
+        claimed = []
+        for stream, items in by_stream.items():
+            ids = sorted((e.entry_id for e in items), key=lambda i: tuple(map(int, i.split("-"))))
+            counts = self._deliveries(stream, ids)
+            claimed += [Claimed(e, counts.get(e.entry_id, 1)) for e in items]
+        return claimed
+
     def _autoclaim(self, stream: str, count: int) -> tuple[str, list, list]:
         resp = self.client.xautoclaim(
             stream, GROUP, self.consumer, self.claim_idle_ms, start_id=self._cursors[stream], count=count

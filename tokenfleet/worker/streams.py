@@ -227,6 +227,11 @@ class Outbox:
         self._acks.append(("xack", (stream, GROUP, entry_id), {}))
 
     def dead_letter(self, entry: Entry, code: str, reason: str, worker: str) -> None:
+        """Record an entry that cannot be served, with the reason; the stream keeps about
+        :data:`~tokenfleet.protocol.DEAD_LETTER_MAXLEN` entries of at most
+        :data:`~tokenfleet.protocol.DEAD_LETTER_BODY_BYTES` of body each (Redis memory stays
+        bounded however much bad input arrives; ``body_bytes`` says how large it was)."""
+        body = protocol.pack(entry.fields)
         fields = {
             b"stream": entry.stream,
             b"entry": entry.entry_id,
@@ -234,9 +239,13 @@ class Outbox:
             b"reason": reason[:1000],
             b"worker": worker,
             b"at": str(time.time()),
-            b"body": protocol.pack(entry.fields),
+            b"body": body[: protocol.DEAD_LETTER_BODY_BYTES],
+            b"body_bytes": str(len(body)),
         }
-        self._writes.append(("xadd", (self.keys.dead_letter, fields), {}))
+        dead = self.keys.dead_letter
+        self._writes.append(
+            ("xadd", (dead, fields), {"maxlen": protocol.DEAD_LETTER_MAXLEN, "approximate": True})
+        )
 
     def move(self, entry: Entry, to_stream: str, fields: dict[bytes, bytes]) -> None:
         """Re-enqueue an entry on another stream, then acknowledge it here. A crash in between

@@ -12,11 +12,14 @@ fall back to gathering the blocks and calling SDPA: slower, same results.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,31 +62,58 @@ def paged_attention_kernels() -> Any:
         try:
             from torch.utils.cpp_extension import load
 
-            build_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-            build_dir = build_dir / "tokenfleet" / "kernels" / _cpu_tag()
-            build_dir.mkdir(parents=True, exist_ok=True)
+            build_dir = build_directory()
             log.info("loading the CPU paged-attention kernels (built once per machine, ~60 s)")
-            _module = load(
-                name="tokenfleet_paged_attention_cpu",
-                sources=[str(path) for path in SOURCES],
-                extra_cflags=[
-                    "-O3",
-                    "-march=native",
-                    "-fopenmp",
-                    "-fassociative-math",
-                    "-fno-signed-zeros",
-                    "-fno-trapping-math",
-                    "-fno-math-errno",  # lets the softmax's exp vectorize
-                ],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-                verbose=False,
-            )
+            with build_lock(build_dir):
+                _module = _load(load, build_dir)
             _register_fake()
         except Exception as e:  # no compiler, no ninja, an odd platform: the gather path still works
             log.warning("CPU paged-attention kernels unavailable (%s); using gather + SDPA", str(e)[:300])
             _module = None
         return _module
+
+
+def build_directory() -> Path:
+    """Where this machine's build of these sources lives (made if missing)."""
+    build_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    build_dir = build_dir / "tokenfleet" / "kernels" / _cpu_tag()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return build_dir
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """One builder per build directory at a time, by an OS file lock (released when its holder
+    dies, however it dies). torch's own lock is a file that a killed build leaves behind, and
+    every later worker then waited on it forever: holding ours, no live builder can be using
+    that file, so a leftover one is removed."""
+    with open(build_dir / ".tokenfleet-build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _load(load: Any, build_dir: Path) -> Any:
+    """torch's ``cpp_extension.load`` of our sources (builds only what changed)."""
+    return load(
+        name="tokenfleet_paged_attention_cpu",
+        sources=[str(path) for path in SOURCES],
+        extra_cflags=[
+            "-O3",
+            "-march=native",
+            "-fopenmp",
+            "-fassociative-math",
+            "-fno-signed-zeros",
+            "-fno-trapping-math",
+            "-fno-math-errno",  # lets the softmax's exp vectorize
+        ],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        verbose=False,
+    )
 
 
 def _register_fake() -> None:

@@ -137,7 +137,7 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."),
         )
 
-    def choose_tokens(self, logits: torch.Tensor, seqs: list[SeqState]) -> list[int]:
+    def choose_tokens(self, logits: torch.Tensor, seqs: list[SeqState]) -> list[int | None]:
         return choose_tokens(logits, seqs)
 
     def _blocks_for_budget(self, memory_bytes: int | None) -> int:
