@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,15 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "paged_decode_cpu.cpp", CSRC / "paged_prefill_cpu.cpp", CSRC / "linear_bf16_cpu.cpp"]
 HEADERS = [CSRC / "common.h"]
+CFLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-fno-math-errno",  # lets the softmax's exp vectorize
+]
 _lock = threading.Lock()
 _module: Any = None
 _tried = False
@@ -43,8 +53,9 @@ def _cpu_tag() -> str:
         flags = platform.processor()
     import torch
 
+    # what changes the binary: the CPU's ISA, torch and Python, the compiler flags, the sources
     code = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    key = f"{flags}|{torch.__version__}|{code.hex()}"
+    key = f"{flags}|{torch.__version__}|{sys.version_info[:2]}|{CFLAGS}|{code.hex()}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -97,19 +108,22 @@ def build_lock(build_dir: Path) -> Iterator[None]:
 
 
 def _load(load: Any, build_dir: Path) -> Any:
-    """torch's ``cpp_extension.load`` of our sources (builds only what changed)."""
+    """torch's ``cpp_extension.load`` of our sources, built from copies inside the build
+    directory: its ``build.ninja`` names absolute paths, and built from each checkout's own files
+    a second checkout or virtualenv rebuilt everything (and two at once corrupted each other).
+    The directory's key holds the sources' hash, so a copy already there is this code."""
+    src = build_dir / "src"
+    src.mkdir(exist_ok=True)
+    for path in SOURCES + HEADERS:
+        copy = src / path.name
+        if not copy.exists():
+            partial = copy.with_name(f"{copy.name}.{os.getpid()}.tmp")
+            partial.write_bytes(path.read_bytes())
+            partial.replace(copy)
     return load(
         name="tokenfleet_paged_attention_cpu",
-        sources=[str(path) for path in SOURCES],
-        extra_cflags=[
-            "-O3",
-            "-march=native",
-            "-fopenmp",
-            "-fassociative-math",
-            "-fno-signed-zeros",
-            "-fno-trapping-math",
-            "-fno-math-errno",  # lets the softmax's exp vectorize
-        ],
+        sources=[str(src / path.name) for path in SOURCES],
+        extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
         verbose=False,
