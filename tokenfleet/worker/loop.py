@@ -296,7 +296,13 @@ class Worker:
             output = self.core.step(flush=self.stopping)
         except Exception as e:  # a failed forward pass fails its sequences, never the worker
             started = self.core.running()
-            log.exception("step failed; failing the %d sequences it held", len(started))
+            self._warn.log(
+                logging.ERROR,
+                "step",
+                "step failed; failing the %d sequences it held",
+                len(started),
+                exc_info=True,
+            )
             for seq in self.core.abort({s.key for s in started}):
                 self._finish_error(seq, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
             return StepOutput()
