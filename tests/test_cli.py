@@ -154,3 +154,97 @@ def test_config_file_typos_and_missing_model_are_one_line_errors(tmp_path):
     assert out.exit_code != 0 and "unknown settings" in out.output and "max_wiat_ms" in out.output
     out = CliRunner().invoke(main, ["worker"])
     assert out.exit_code != 0 and "no model" in out.output
+
+
+# -- a user's first hour ---------------------------------------------------------------------------
+
+
+def test_submit_names_its_request_and_says_when_nobody_serves(redis_url, prefix, model_path):
+    env = {"REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenfleet", "submit", "--model", str(model_path), "--id", "lonely-1", "hi"],
+        env={**os.environ, **env},
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = [proc.stderr.readline() for _ in range(2)]
+        assert lines[0].strip() == "request lonely-1"
+        assert "no live worker serves" in lines[1] and repr(prefix) in lines[1] and "stays" in lines[1]
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: the request is cancelled, and the user told
+        _, rest = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "cancelled request lonely-1" in rest and "Traceback" not in rest
+    import redis as redis_py
+
+    assert redis_py.Redis.from_url(redis_url).exists(f"{prefix}:cancel:lonely-1")
+
+
+def test_result_and_cancel_of_unknown_or_invalid_ids_fail_at_once(redis_url, prefix):
+    env = {"REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix}
+    started = time.monotonic()
+    unknown = tf("result", "never-was", "--timeout", "60", env=env)
+    assert unknown.returncode == 1 and "no such request 'never-was'" in unknown.stderr
+    assert time.monotonic() - started < 30, "it waited for the timeout"
+    assert "no such request" in tf("cancel", "never-was", env=env).stderr
+    invalid = tf("cancel", "not valid!", env=env)
+    assert invalid.returncode == 1 and "is not a request id" in invalid.stderr
+
+
+def test_commands_fail_in_one_line_without_redis(tmp_path):
+    (tmp_path / "p.jsonl").write_text('"hi"\n')
+    env = {"REDIS_URL": "redis://127.0.0.1:1/0"}
+    for args in (
+        ["result", "x"],
+        ["batch", str(tmp_path / "p.jsonl"), "-o", str(tmp_path / "o")],
+        ["rq-worker"],
+    ):
+        out = tf(*args, env=env, timeout=60)
+        assert out.returncode == 1, args
+        assert "Traceback" not in out.stderr and "Connection" in out.stderr, (args, out.stderr)
+
+
+def test_batch_checks_every_line_before_submitting_anything(redis_url, prefix, model_path, tmp_path, r):
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('"fine"\n{"prompt": "also fine"}\n{"prompt": 42}\n')
+    out = tf(
+        "batch", str(prompts), "-o", str(tmp_path / "out.jsonl"), "--model", str(model_path),
+        env={"REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix},
+    )  # fmt: skip
+    assert out.returncode == 1 and f"{prompts}:3: prompt must be a string" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not list(r.scan_iter(match=f"{{{prefix}}}:req:*")), "something was submitted"
+
+
+def test_batch_exits_non_zero_when_a_request_failed(run_worker, redis_url, prefix, model_path, tmp_path):
+    from tokenfleet.config import DynamicBatchingConfig
+
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('"fine"\n{"prompt": "too much", "max_new_tokens": 60000}\n')
+    with run_worker(DynamicBatchingConfig(max_wait_ms=5, max_batch_size=4, max_seq_len=256, buckets=(64,))):
+        out = tf(
+            "batch", str(prompts), "-o", str(tmp_path / "out.jsonl"), "--model", str(model_path),
+            env={"REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix},
+        )  # fmt: skip
+    assert out.returncode == 1 and "1 done, 1 failed" in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert "error" in rows[1] and "text" in rows[0]
+
+
+def test_model_init_keeps_what_is_there_unless_forced(tmp_path):
+    target = tmp_path / "m"
+    target.mkdir()
+    (target / "mine.txt").write_text("keep")
+    out = CliRunner().invoke(main, ["model", "init", str(target)])
+    assert out.exit_code == 1 and "--force" in out.output
+    assert CliRunner().invoke(main, ["model", "init", str(target), "--force"]).exit_code == 0
+
+
+def test_top_level_help_shows_whole_summaries():
+    out = CliRunner().invoke(main, ["--help"])
+    commands = out.output.split("Commands:")[1]
+    assert "..." not in commands and "…" not in commands

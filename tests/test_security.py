@@ -22,7 +22,7 @@ BATCHING = DynamicBatchingConfig(max_wait_ms=5, max_batch_size=4, max_seq_len=25
 def acl_server(prefix):
     with EmbeddedRedis() as server:
         admin = redis.Redis.from_url(server.url)
-        for args in acl_rules(prefix, "prod-secret", "work-secret"):
+        for args in acl_rules(prefix, "prod-secret", "work-secret", "mon-secret"):
             admin.execute_command("ACL", "SETUSER", *args)
         yield server, admin
         admin.close()
@@ -184,5 +184,61 @@ def test_operations_doc_shows_the_rules_the_code_applies():
     from pathlib import Path
 
     doc = (Path(__file__).parent.parent / "docs" / "OPERATIONS.md").read_text()
-    for args in acl_rules("tokenfleet", "P", "W"):
+    for args in acl_rules("tokenfleet", "P", "W", "M"):
         assert "ACL SETUSER " + " ".join(shlex.quote(a) for a in args) in doc
+
+
+def test_the_monitor_reads_the_fleet_and_nothing_more(acl_server, engine, prefix):
+    from conftest import RunningWorker
+
+    from tokenfleet.status import fleet_status
+
+    server, admin = acl_server
+    worker_url = url_as(server, "tokenfleet-worker", "work-secret")
+    monitor = redis.Redis.from_url(url_as(server, "tokenfleet-monitor", "mon-secret"))
+    with RunningWorker(engine, worker_url, prefix, BATCHING):
+        report = fleet_status(monitor, Keys(prefix))
+        assert [w["alive"] for w in report["workers"]] == [True]
+        for refused in (
+            lambda: monitor.xadd(Keys(prefix).request_stream(16), {"id": "x"}),
+            lambda: monitor.set(f"{prefix}:cancel:x", 1),
+            lambda: monitor.delete(Keys(prefix).workers),
+        ):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                refused()
+    monitor.close()
+
+
+def test_producer_commands_all_run_under_the_producer_role(acl_server, engine, prefix, model_path, tmp_path):
+    """submit (with its "is anyone serving" check), result, cancel and batch, as the CLI runs
+    them, with the producer's rights only."""
+    import subprocess
+    import sys
+
+    from conftest import RunningWorker
+
+    server, _ = acl_server
+    worker_url = url_as(server, "tokenfleet-worker", "work-secret")
+    env = {
+        **__import__("os").environ,
+        "REDIS_URL": url_as(server, "tokenfleet-producer", "prod-secret"),
+        "TOKENFLEET_PREFIX": prefix,
+    }
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('"one"\n{"prompt": "two", "max_new_tokens": 3}\n')
+
+    def cli(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "tokenfleet", *args], env=env, capture_output=True, text=True, timeout=120
+        )
+
+    with RunningWorker(engine, worker_url, prefix, BATCHING):
+        submitted = cli(
+            "submit", "--model", str(model_path), "--max-new-tokens", "3", "--id", "acl-cli", "hi"
+        )
+        assert submitted.returncode == 0, submitted.stderr
+        assert "request acl-cli" in submitted.stderr and "no live worker" not in submitted.stderr
+        assert cli("result", "acl-cli").returncode == 0
+        assert cli("cancel", "acl-cli").returncode == 0
+        batch = cli("batch", str(prompts), "-o", str(tmp_path / "out.jsonl"), "--max-new-tokens", "2")
+        assert batch.returncode == 0, batch.stderr

@@ -1,8 +1,10 @@
-"""Redis ACL rules for the two roles of a fleet: producers and workers.
+"""Redis ACL rules for the roles of a fleet: producers, workers and monitors.
 
-Producers may only enqueue (through the backpressure script), read reply streams, cancel and read
-the bucket list; workers may only do what serving needs, on the fleet's keys. Print them with
-``tokenfleet acl``; ``docs/OPERATIONS.md`` shows them for the default prefix.
+Producers may only enqueue (through the backpressure script), read reply streams, cancel, read
+the bucket list and the workers' heartbeats (to say when nobody serves a request); workers may
+only do what serving needs, on the fleet's keys; monitors (``tokenfleet status``, dashboards)
+may only read. Print them with ``tokenfleet acl``; ``docs/OPERATIONS.md`` shows them for the
+default prefix.
 """
 
 from __future__ import annotations
@@ -32,8 +34,22 @@ PRODUCER_COMMANDS = (
         "+xrange",  # follow and replay reply streams
         "+set",  # cancel flags
         "+smembers",  # the bucket list
+        "+exists",  # does a request or its reply exist (batch's resume, result and cancel)
+        "+xrevrange",  # a queued request, looked for by id
+        "+scan",  # the request streams, to look in
+        "+hgetall",  # the workers' heartbeats: is anyone serving this bucket
     ]
 )
+MONITOR_COMMANDS = _CONNECT + [
+    "+hgetall",
+    "+smembers",
+    "+exists",
+    "+xinfo|groups",
+    "+xlen",
+    "+xrange",
+    "+xrevrange",
+    "+scan",
+]
 WORKER_COMMANDS = (
     _CONNECT
     + _SCRIPTS
@@ -75,6 +91,8 @@ def producer_key_patterns(prefix: str) -> list[str]:
         # producers have, so they still cannot change the limit
         f"~{keys.max_queue}",
         f"~{prefix}:client:*",  # asyncio clients' wake-up streams (XADD, XREAD)
+        f"%R~{prefix}:owner:*",
+        f"%R~{keys.workers}",
     ]
 
 
@@ -106,8 +124,21 @@ def setuser_args(
     return [user, "reset", "on", f">{password}", "resetchannels", "-@all", *commands, *patterns, *selectors]
 
 
-def acl_rules(prefix: str, producer_password: str, worker_password: str) -> list[list[str]]:
-    """``ACL SETUSER`` argument lists for the ``tokenfleet-producer`` and ``tokenfleet-worker`` users."""
+def monitor_key_patterns(prefix: str) -> list[str]:
+    """Read-only, on every key of the prefix."""
+    return [f"%R~{pattern}" for pattern in Keys(prefix).patterns]
+
+
+def acl_rules(
+    prefix: str, producer_password: str, worker_password: str, monitor_password: str | None = None
+) -> list[list[str]]:
+    """``ACL SETUSER`` argument lists for the ``tokenfleet-producer`` and ``tokenfleet-worker``
+    users, and ``tokenfleet-monitor`` when it has a password."""
+    monitor = (
+        [setuser_args("tokenfleet-monitor", monitor_password, MONITOR_COMMANDS, monitor_key_patterns(prefix))]
+        if monitor_password
+        else []
+    )
     return [
         setuser_args(
             "tokenfleet-producer",
@@ -117,4 +148,5 @@ def acl_rules(prefix: str, producer_password: str, worker_password: str) -> list
             producer_selectors(prefix),
         ),
         setuser_args("tokenfleet-worker", worker_password, WORKER_COMMANDS, worker_key_patterns(prefix)),
+        *monitor,
     ]

@@ -20,11 +20,16 @@ from typing import Any
 
 from tokenfleet.errors import RequestFailed
 
-RQ_QUEUE = "tokenfleet"
 DEFAULT_WINDOW = 64
 
 
-def read_inputs(path: str) -> list[dict[str, Any]]:
+def read_inputs(path: str, defaults: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every line of a JSONL input, each checked against the protocol before anything is
+    submitted (a bad line found halfway would leave earlier requests running with no results
+    written); raises ``ValueError`` naming ``file:line``."""
+    from tokenfleet import protocol
+    from tokenfleet.errors import ProtocolError
+
     items = []
     for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
@@ -33,10 +38,20 @@ def read_inputs(path: str) -> list[dict[str, Any]]:
             item = json.loads(line)
         except ValueError as e:
             raise ValueError(f"{path}:{n}: not JSON: {e}") from e
-        items.append({"prompt": item} if isinstance(item, str) else item)
-        if not isinstance(items[-1], dict):
+        item = {"prompt": item} if isinstance(item, str) else item
+        if not isinstance(item, dict):
             raise ValueError(f"{path}:{n}: expected a string or an object")
+        try:  # the id is ours (derived from the line); every other field as a worker would check it
+            protocol.validate_request({**(defaults or {}), **item, "id": "check"})
+        except ProtocolError as e:
+            raise ValueError(f"{path}:{n}: {e.message}") from e
+        items.append(item)
     return items
+
+
+def rq_queue(prefix: str) -> str:
+    """The RQ queue of a fleet's bulk jobs: its prefix (``tokenfleet`` by default)."""
+    return prefix
 
 
 def batch_id(path: str) -> str:
@@ -72,7 +87,7 @@ def run_batch(
 ) -> dict[str, int]:
     """Run every input line through ``client`` (a producer Client), writing results in input
     order; returns counts. ``progress(n)`` is called as results are written."""
-    items = read_inputs(input_path)
+    items = read_inputs(input_path, defaults)
     prefix = batch_id(input_path)
     start = _done_lines(output_path)
     if progress and start:
@@ -140,12 +155,14 @@ def enqueue_batch(
     defaults: dict[str, Any],
     job_timeout: int = 24 * 3600,
 ) -> str:
-    """Enqueue :func:`run_batch_job` on the RQ queue ``tokenfleet`` (JSON serializer); returns the job id."""
+    """Enqueue :func:`run_batch_job` on the fleet's RQ queue (:func:`rq_queue`, JSON serializer);
+    every line is checked first. Returns the job id."""
     import redis
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    queue = Queue(RQ_QUEUE, connection=redis.Redis.from_url(redis_url), serializer=JSONSerializer)
+    read_inputs(input_path, defaults)
+    queue = Queue(rq_queue(prefix), connection=redis.Redis.from_url(redis_url), serializer=JSONSerializer)
     job = queue.enqueue(
         run_batch_job,
         args=(

@@ -8,6 +8,8 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
+from typing import Any
 
 import click
 from click.core import ParameterSource
@@ -70,7 +72,7 @@ def model() -> None:
     """Build local models (nothing is downloaded)."""
 
 
-@model.command("init")
+@model.command("init", short_help="Build a random-weight test model.")
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option(
     "--size",
@@ -80,16 +82,20 @@ def model() -> None:
     help="tiny: ~3M parameters (tests, demo); small: ~113M, hidden 768, 12 layers (benchmarks).",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
-def model_init(directory: str, size: str, seed: int) -> None:
+@click.option("--force", is_flag=True, help="Write into DIRECTORY even if it is not empty.")
+def model_init(directory: str, size: str, seed: int, force: bool) -> None:
     """Write a Llama-architecture model with random weights and a byte-level tokenizer to DIRECTORY,
     loadable with from_pretrained(DIRECTORY)."""
     from tokenfleet.models import init_model
 
+    target = Path(directory)
+    if target.exists() and any(target.iterdir()) and not force:
+        _fail(f"{directory} exists and is not empty; --force overwrites it")
     path = init_model(directory, size, seed)
     click.echo(f"wrote {size} model to {path}")
 
 
-@main.command()
+@main.command(short_help="Serve requests from bucket streams (until SIGTERM).")
 @click.option(
     "--model",
     "model_dir",
@@ -368,7 +374,7 @@ def _client(redis_url, model_dir, prefix):
     return Client(redis_url, model=model_dir, prefix=prefix)
 
 
-@main.command()
+@main.command(short_help="Enqueue a prompt and stream its text.")
 @click.argument("prompt")
 @redis_url_option
 @prefix_option
@@ -390,6 +396,13 @@ def _client(redis_url, model_dir, prefix):
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the final result as JSON instead of streaming text."
 )
+@click.option("--id", "request_id", default=None, help="Request id to use (default: a random one).")
+@click.option(
+    "--detach",
+    is_flag=True,
+    help="Ctrl-C leaves the request running (fetch it later with `tokenfleet result ID`); without it, "
+    "Ctrl-C cancels the request.",
+)
 def submit(
     prompt,
     redis_url,
@@ -404,8 +417,11 @@ def submit(
     ignore_eos,
     timeout,
     as_json,
+    request_id,
+    detach,
 ) -> None:
-    """Enqueue PROMPT and stream the generated text to stdout."""
+    """Enqueue PROMPT and stream the generated text to stdout (the request id goes to stderr at
+    once, for `tokenfleet result ID` and `tokenfleet cancel ID`)."""
     params = dict(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -415,22 +431,59 @@ def submit(
         stop=stop or None,
         ignore_eos=ignore_eos,
     )
+    handle = None
     try:
+        _check_model_dir(model_dir)
         with _client(redis_url, model_dir, prefix) as client:
-            handle = client.submit(prompt, **{k: v for k, v in params.items() if v is not None})
+            handle = client.submit(
+                prompt, request_id=request_id, **{k: v for k, v in params.items() if v is not None}
+            )
+            click.echo(f"request {handle.id}", err=True)
+            _say_if_nobody_serves(client, handle)
             if as_json:
                 click.echo(json.dumps(client.result(handle.id, timeout=timeout).__dict__))
                 return
             for chunk in handle.stream(timeout=timeout):
                 click.echo(chunk.text, nl=False)
             click.echo()
+    except KeyboardInterrupt:
+        if handle is None:
+            raise SystemExit(130) from None
+        if detach:
+            click.echo(f"\nleft request {handle.id} running: tokenfleet result {handle.id}", err=True)
+        else:
+            handle.client.cancel(handle.id)
+            click.echo(f"\ninterrupted: cancelled request {handle.id} (--detach leaves it running)", err=True)
+        raise SystemExit(130) from None
+    except click.ClickException:
+        raise
     except TokenfleetError as e:
         _fail(str(e))
     except Exception as e:  # redis errors, bad parameters: one line, no traceback
         _fail(f"{type(e).__name__}: {e}")
 
 
-@main.command()
+def _check_model_dir(model_dir: str | None) -> None:
+    """A --model given to a producer must hold the tokenizer it routes with."""
+    if model_dir is not None and not (Path(model_dir) / "tokenizer.json").exists():
+        _fail(f"{model_dir} has no tokenizer.json: give a Hugging Face model directory, or no --model")
+
+
+def _say_if_nobody_serves(client: Any, handle: Any) -> None:
+    """Say at once when no live worker serves the request's bucket under this prefix: it stays
+    queued and starts when one does (a mistyped --prefix looks just like this)."""
+    from tokenfleet.producer.lookup import serving_workers
+
+    if not serving_workers(client.redis, client.keys, handle.bucket):
+        where = f"bucket {handle.bucket}" if handle.bucket not in (None, "auto") else "any bucket"
+        click.echo(
+            f"no live worker serves {where} under prefix {client.keys.prefix!r}: the request stays "
+            "queued and starts when one does; waiting (Ctrl-C cancels it)",
+            err=True,
+        )
+
+
+@main.command(short_help="Print a request's result as JSON.")
 @click.argument("request_id")
 @redis_url_option
 @prefix_option
@@ -439,12 +492,31 @@ def result(request_id, redis_url, prefix, timeout) -> None:
     """Print the result of REQUEST_ID (submitted anywhere, earlier) as JSON."""
     try:
         with _client(redis_url, None, prefix) as client:
+            _check_exists(client, request_id)
             click.echo(json.dumps(client.result(request_id, timeout=timeout).__dict__))
+    except click.ClickException:
+        raise
     except TokenfleetError as e:
         _fail(str(e))
+    except Exception as e:  # redis errors: one line, no traceback
+        _fail(f"{type(e).__name__}: {e}")
 
 
-@main.command()
+def _check_exists(client: Any, request_id: str) -> None:
+    """Fail at once for an id that cannot be a request, or names none under this prefix."""
+    from tokenfleet import protocol
+    from tokenfleet.producer.lookup import request_exists
+
+    if protocol.salvage_request_id({b"id": request_id.encode()}) != request_id:
+        _fail(f"{request_id!r} is not a request id (1-128 characters from A-Z a-z 0-9 . _ : -)")
+    if not request_exists(client.redis, client.keys, request_id):
+        _fail(
+            f"no such request {request_id!r} under prefix {client.keys.prefix!r}: no reply stream, "
+            "not queued (expired, never submitted, or another --prefix?)"
+        )
+
+
+@main.command(short_help="Cancel a request, queued or running.")
 @click.argument("request_id")
 @redis_url_option
 @prefix_option
@@ -453,28 +525,43 @@ def cancel(request_id: str, redis_url: str | None, prefix: str | None) -> None:
     ~5 ms, when steps are shorter)."""
     try:
         with _client(redis_url, None, prefix) as client:
+            _check_exists(client, request_id)
             client.cancel(request_id)
+    except click.ClickException:
+        raise
     except Exception as e:  # redis errors: one line, no traceback
         _fail(f"{type(e).__name__}: {e}")
     click.echo(f"cancelled {request_id}")
 
 
-@main.command()
+@main.command(short_help="Print ACL rules for producer, worker and monitor users.")
 @prefix_option
 @click.option("--producer-password", required=True, help="Password of the tokenfleet-producer user.")
 @click.option("--worker-password", required=True, help="Password of the tokenfleet-worker user.")
-def acl(prefix: str | None, producer_password: str, worker_password: str) -> None:
+@click.option(
+    "--monitor-password",
+    default=None,
+    help="Password of the read-only tokenfleet-monitor user (tokenfleet status, dashboards); "
+    "without it no monitor user is printed.",
+)
+def acl(
+    prefix: str | None, producer_password: str, worker_password: str, monitor_password: str | None
+) -> None:
     """Print ACL SETUSER commands (for redis-cli) that give producers and workers exactly the
     rights they need on this prefix's keys and nothing else."""
     import shlex
 
     from tokenfleet.acl import acl_rules
 
-    for args in acl_rules(prefix_from_env(prefix), producer_password, worker_password):
+    try:
+        rules = acl_rules(prefix_from_env(prefix), producer_password, worker_password, monitor_password)
+    except ValueError as e:
+        _fail(str(e))
+    for args in rules:
         click.echo("ACL SETUSER " + " ".join(shlex.quote(a) for a in args))
 
 
-@main.command()
+@main.command(short_help="Show workers, queues and dead letters.")
 @redis_url_option
 @prefix_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -493,7 +580,7 @@ def status(redis_url: str | None, prefix: str | None, as_json: bool) -> None:
     click.echo(json.dumps(report, indent=2) if as_json else format_status(report))
 
 
-@main.command()
+@main.command(short_help="Run a JSONL file of prompts; results in order.")
 @click.argument("input_path", metavar="PROMPTS.jsonl", type=click.Path(exists=True, dir_okay=False))
 @click.option(
     "-o",
@@ -517,7 +604,16 @@ def status(redis_url: str | None, prefix: str | None, as_json: bool) -> None:
 @click.option("--enqueue", is_flag=True, help="Run it as an RQ job (JSON serializer) and print the job id.")
 def batch(input_path, output_path, redis_url, prefix, model_dir, max_new_tokens, window, enqueue) -> None:
     """Run a JSONL file of prompts through the fleet with a progress bar; results in input order.
-    Interrupted? Run the same command again: it resumes without redoing finished prompts."""
+    Interrupted? Run the same command again: it resumes without redoing finished prompts.
+
+    \b
+    Each line of PROMPTS.jsonl is a JSON string (the prompt) or an object with "prompt" (text) or
+    "input_ids" (token ids) and any request field of docs/PROTOCOL.md, e.g.
+      "Tell me a joke"
+      {"prompt": "Summarize: ...", "max_new_tokens": 128, "temperature": 0.7, "stop": ["\\n\\n"]}
+    Every line is checked before anything is submitted (errors name FILE:LINE). Each output line
+    has "index", "id" and "text", "token_ids", "finish_reason", "usage", or "error". Exits 1 when
+    any request failed."""
     from tokenfleet import bulk
 
     defaults = {"max_new_tokens": max_new_tokens} if max_new_tokens else {}
@@ -527,39 +623,54 @@ def batch(input_path, output_path, redis_url, prefix, model_dir, max_new_tokens,
             job_id = bulk.enqueue_batch(url, pre, model_dir, input_path, output_path, defaults)
             click.echo(job_id)
             click.echo(
-                f"queued on RQ queue {bulk.RQ_QUEUE!r}; run `tokenfleet rq-worker` to process it", err=True
+                f"queued on RQ queue {bulk.rq_queue(pre)!r}; run `tokenfleet rq-worker --prefix {pre}` "
+                "to process it",
+                err=True,
             )
             return
         from tqdm import tqdm
 
-        total = len(bulk.read_inputs(input_path))
+        _check_model_dir(model_dir)
+        total = len(bulk.read_inputs(input_path, defaults))
         with _client(url, model_dir, pre) as client, tqdm(total=total, unit="prompt") as bar:
             counts = bulk.run_batch(client, input_path, output_path, defaults, window, progress=bar.update)
+    except click.ClickException:
+        raise
     except (ValueError, TokenfleetError) as e:
         _fail(str(e))
+    except Exception as e:  # redis errors: one line, no traceback
+        _fail(f"{type(e).__name__}: {e}")
     click.echo(
         f"{counts['done']} done, {counts['failed']} failed, {counts['skipped']} already in {output_path}"
     )
+    if counts["failed"]:
+        raise SystemExit(1)
 
 
-@main.command("rq-worker")
+@main.command("rq-worker", short_help="Process bulk jobs queued with batch --enqueue.")
 @redis_url_option
+@prefix_option
 @click.option("--burst", is_flag=True, help="Exit once the queue is empty.")
-def rq_worker(redis_url, burst) -> None:
-    """Process tokenfleet's RQ jobs (batch --enqueue) with the JSON serializer. Plain `rq worker`
-    works too: rq worker tokenfleet --serializer rq.serializers.JSONSerializer --url URL"""
+def rq_worker(redis_url, prefix, burst) -> None:
+    """Process tokenfleet's RQ jobs (batch --enqueue) with the JSON serializer; the queue is named
+    after the prefix. Plain `rq worker` works too:
+    rq worker tokenfleet --serializer rq.serializers.JSONSerializer --url URL"""
     import redis
     from rq import Queue, Worker
     from rq.serializers import JSONSerializer
 
-    from tokenfleet.bulk import RQ_QUEUE
+    from tokenfleet.bulk import rq_queue
 
-    connection = redis.Redis.from_url(redis_url_from_env(redis_url))
-    queue = Queue(RQ_QUEUE, connection=connection, serializer=JSONSerializer)
-    Worker([queue], connection=connection, serializer=JSONSerializer).work(burst=burst)
+    try:
+        connection = redis.Redis.from_url(redis_url_from_env(redis_url))
+        connection.ping()
+        queue = Queue(rq_queue(prefix_from_env(prefix)), connection=connection, serializer=JSONSerializer)
+        Worker([queue], connection=connection, serializer=JSONSerializer).work(burst=burst)
+    except redis.RedisError as e:
+        _fail(f"{type(e).__name__}: {e}")
 
 
-@main.command()
+@main.command(short_help="Run the whole path locally, nothing set up.")
 @redis_url_option
 @prefix_option
 @click.option(

@@ -10,10 +10,8 @@ from typing import Any
 
 import redis
 
-from tokenfleet import protocol
+from tokenfleet.producer.lookup import heartbeats
 from tokenfleet.protocol import AUTO_BUCKET, GROUP, Keys
-
-STALE_AFTER_S = 10.0  # a worker silent this long is shown as stale (heartbeats come every 2 s)
 
 
 def _text(value: Any) -> str:
@@ -45,16 +43,7 @@ def _queue(client: redis.Redis, stream: str, now: float) -> dict[str, Any]:
 
 def fleet_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
     now = time.time()
-    workers = []
-    for name, raw in sorted(client.hgetall(keys.workers).items()):
-        try:
-            beat = protocol.unpack(raw)
-        except ValueError:
-            continue
-        age = now - float(beat.get("seen", 0))
-        workers.append(
-            {"name": _text(name), "alive": age < STALE_AFTER_S, "seen_s_ago": round(age, 1), **beat}
-        )
+    workers = heartbeats(client, keys)
     buckets = sorted(int(b) for b in client.smembers(keys.buckets))
     queues = {str(b): _queue(client, keys.request_stream(b), now) for b in [*buckets, AUTO_BUCKET]}
     return {

@@ -76,7 +76,7 @@ class Client(ClientBase):
             self._enqueue(keys=keys, args=args)
         except redis.ResponseError as e:
             raise queue_full_error(e) or e from e
-        return Handle(self, request.id)
+        return Handle(self, request.id, stream)
 
     def events(self, request_id: str, timeout: float | None = None) -> Iterator[dict[str, Any]]:
         """Every reply event of a request from the first, live, until the terminal one. Works for
@@ -145,9 +145,15 @@ class Client(ClientBase):
 class Handle:
     """A submitted request."""
 
-    def __init__(self, client: Client, request_id: str):
+    def __init__(self, client: Client, request_id: str, stream: str | None = None):
         self.client = client
         self.id = request_id
+        self.stream_key = stream  # the request stream it was enqueued on
+
+    @property
+    def bucket(self) -> str | None:
+        """The bucket it went to (``auto`` when a worker routes it), if submitted here."""
+        return self.stream_key.rsplit(":", 1)[1] if self.stream_key else None
 
     def stream(self, timeout: float | None = None) -> Iterator[Chunk]:
         return self.client.stream(self.id, timeout)
