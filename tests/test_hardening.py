@@ -101,6 +101,12 @@ def test_a_worker_killed_while_taking_poison_entries_does_not_take_the_fleet_dow
             worker_process(tiny_model, redis_url, prefix, "--name", name, *flags, stdout=log, stderr=log)
             for name in ("w-a", "w-b")
         ]
+        deadline = time.monotonic() + 180  # both up: the restarted one read its own pending list first
+        while {n.decode() for n in r.hkeys(keys.workers)} != {"w-a", "w-b"} or any(
+            time.time() - protocol.unpack(raw)["seen"] > 5 for raw in r.hvals(keys.workers)
+        ):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in others)
+            time.sleep(0.1)
         client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
         handles = [client.submit(f"valid {i}", max_new_tokens=3) for i in range(8)]
         assert all(len(h.result(timeout=120).token_ids) == 3 for h in handles)
