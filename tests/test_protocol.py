@@ -161,3 +161,10 @@ def test_reply_events_round_trip():
     ev = protocol.done_event("stop", 3, 4, {"ttft_ms": 1.0}, 7)
     assert protocol.decode_event(protocol.encode_event(ev)) == ev
     assert protocol.encode_event(ev)[b"type"] == b"done"
+
+
+def test_protocol_md_holds_the_enqueue_script_word_for_word():
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "PROTOCOL.md").read_text()
+    assert protocol.ENQUEUE_SCRIPT.strip() in doc

@@ -92,6 +92,7 @@ def _run(model_dir: str, url: str, prefix: str, requests: int, max_new_tokens: i
         max_wait_ms=50, max_batch_size=16, max_seq_len=1024, buckets=(32, 64, 128), mode="dynamic"
     )
     batch_sizes: list[int] = []
+    echo(_start_up_note())
     worker = Worker(
         WorkerConfig(model=model_dir, redis_url=url, prefix=prefix, batching=batching, kv=KVCacheConfig()),
         on_batch=lambda ev: batch_sizes.append(ev.size) if ev.kind == "prefill" else None,
@@ -132,6 +133,15 @@ def _run(model_dir: str, url: str, prefix: str, requests: int, max_new_tokens: i
         echo(f"batch size {size}")
     echo(f"\n{len(rows)} requests in {len(batch_sizes)} batches (random-weight model: the text is noise)")
     return DemoReport([r[1] for r in rows], batch_sizes, len(rows))
+
+
+def _start_up_note() -> str:
+    """What the worker's start is about to spend its time on, said before the wait."""
+    from tokenfleet.engines.native.cpu_kernels import kernels_built
+
+    if kernels_built():
+        return "starting a worker (loading the model) ..."
+    return "starting a worker: building the CPU kernels first (once per machine, ~1 min) ..."
 
 
 def _delete_prefix(url: str, prefix: str) -> None:

@@ -187,6 +187,9 @@ class Request:
     ignore_eos: bool = False
     deadline_ms: int | None = None
     reply_ttl_s: int = DEFAULT_REPLY_TTL_S
+    # when Redis first accepted it (Unix ms), set by the worker that moves an ``auto`` entry to
+    # its bucket: the queue time and the max_wait_ms window count from there, not from the move
+    enqueued_ms: int | None = None
     v: int = PROTOCOL_VERSION
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -218,6 +221,7 @@ _INT_FIELDS = {
     "seed": (0, (1 << 63) - 1),
     "deadline_ms": (0, 1 << 53),
     "reply_ttl_s": (1, MAX_REPLY_TTL_S),
+    "enqueued_ms": (0, 1 << 53),
 }
 _FLOAT_FIELDS = {"temperature": (0.0, 100.0), "top_p": (0.0, 1.0)}
 _KNOWN = (
@@ -486,13 +490,24 @@ def salvage_request_id(fields: dict[bytes, bytes]) -> str | None:
     try:
         return _request_id(decode_request_body(fields))
     except Exception:  # noqa: BLE001 (the salvage of a broken entry must not break in turn)
-        raw = fields.get(b"id") if isinstance(fields, dict) else None
-        if isinstance(raw, bytes) and len(raw) <= MAX_ID_LEN:
-            try:
-                return _request_id({"id": raw.decode("utf-8")})
-            except UnicodeDecodeError:
-                return None
-        return None
+        pass
+    try:  # a msgpack body whose other strings are not UTF-8 (a prompt, say) still names its id
+        data = fields[BODY_FIELD]
+        if len(data) <= MAX_BODY_BYTES:
+            body = msgpack.unpackb(data, raw=False, unicode_errors="surrogateescape", ext_hook=_reject_ext)
+            check_nesting(body)
+            rid = _request_id(body) if isinstance(body, dict) else None
+            if rid is not None:
+                return rid
+    except Exception:  # noqa: BLE001 (no id there: try the plain form's field)
+        pass
+    raw = fields.get(b"id") if isinstance(fields, dict) else None
+    if isinstance(raw, bytes) and len(raw) <= MAX_ID_LEN:
+        try:
+            return _request_id({"id": raw.decode("utf-8")})
+        except UnicodeDecodeError:
+            return None
+    return None
 
 
 # -- backpressure ---------------------------------------------------------------------------------

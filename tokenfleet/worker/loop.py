@@ -28,6 +28,7 @@ from tokenfleet.core.interface import BatchEvent, EngineCore, StepOutput
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.engines import build_core
 from tokenfleet.errors import ProtocolError
+from tokenfleet.producer.lookup import heartbeats
 from tokenfleet.protocol import ErrorCode, Keys
 from tokenfleet.worker.cancels import NOT_READ, CancelWatch
 from tokenfleet.worker.exchange import Exchange, Received
@@ -331,6 +332,7 @@ class Worker:
             self._last_trim = time.monotonic()
             self.reader.trim_acknowledged()
         self._heartbeat()
+        self._fleet_buckets()  # every FLEET_BUCKETS_TTL_S: {P}:buckets keeps live workers' only
 
     def _update_capacity(self) -> None:
         self._capacity = cap = self.core.capacity()
@@ -484,7 +486,7 @@ class Worker:
             return
         now_wall, now = time.time(), time.monotonic()
         # the max_wait_ms window counts from when Redis accepted the request, not from our read
-        arrived = now - min(max(0.0, now_wall - entry.enqueued_wall), 3600.0)
+        arrived = now - min(max(0.0, now_wall - seq.enqueued_wall), 3600.0)
         refusal = self.core.add(seq, arrived)
         if refusal is not None:
             self._refuse(entry, ProtocolError(refusal.code, refusal.message, request_id=request.id))
@@ -511,15 +513,29 @@ class Worker:
             prompt_ids=self._tokens(request),
             tokenizer=self.facts.tokenizer,
             eos_ids=self.facts.eos_token_ids,
-            enqueued_wall=entry.enqueued_wall,
+            enqueued_wall=_enqueued_wall(entry, request),
         )
 
     def _fleet_buckets(self, refresh: bool = False) -> list[int]:
-        """Buckets served by any worker of the fleet (ours included), refreshed every few seconds."""
+        """Buckets served by live workers of the fleet (ours included), refreshed every few
+        seconds from their heartbeats; ``{P}:buckets`` is brought in line on the way, so that
+        buckets of workers that stopped long ago drop out of it and producers stop routing there."""
         now = time.monotonic()
         if refresh or now - self._fleet_buckets_at > FLEET_BUCKETS_TTL_S:
-            announced = {int(b) for b in self.client.smembers(self.keys.buckets)}
-            self._fleet_bucket_list = sorted(announced | set(self.config.batching.buckets))
+            live = {
+                int(b)
+                for beat in heartbeats(self.client, self.keys)
+                if beat["alive"]
+                for b in beat.get("buckets", [])
+            }
+            live |= set(self.config.batching.buckets)
+            stale = {int(b) for b in self.client.smembers(self.keys.buckets)} - live
+            pipe = self.client.pipeline(transaction=False)
+            pipe.sadd(self.keys.buckets, *live)
+            if stale:
+                pipe.srem(self.keys.buckets, *stale)
+            pipe.execute()
+            self._fleet_bucket_list = sorted(live)
             self._fleet_buckets_at = now
         return self._fleet_bucket_list
 
@@ -538,7 +554,8 @@ class Worker:
                 f"prompt has {len(ids)} tokens; the largest bucket served is {buckets[-1]}",
                 request_id=request.id,
             )
-        routed = dataclasses.replace(request, prompt=None, input_ids=tuple(ids))
+        first_seen = request.enqueued_ms or int(entry.enqueued_wall * 1000)
+        routed = dataclasses.replace(request, prompt=None, input_ids=tuple(ids), enqueued_ms=first_seen)
         self.outbox.move(entry, self.keys.request_stream(bucket), protocol.encode_request(routed))
 
     def _refuse(self, entry: Entry, error: ProtocolError) -> None:
@@ -718,6 +735,14 @@ class Worker:
                 }
             ),
         )
+
+
+def _enqueued_wall(entry: Entry, request: protocol.Request) -> float:
+    """When Redis first accepted the request: its entry's time, or, for one a worker moved from
+    the ``auto`` stream, the time the move carried (never later than the entry)."""
+    if request.enqueued_ms is None:
+        return entry.enqueued_wall
+    return min(entry.enqueued_wall, request.enqueued_ms / 1000)
 
 
 def _average(mean: float, sample: float) -> float:

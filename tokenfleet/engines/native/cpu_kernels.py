@@ -74,7 +74,10 @@ def paged_attention_kernels() -> Any:
             from torch.utils.cpp_extension import load
 
             build_dir = build_directory()
-            log.info("loading the CPU paged-attention kernels (built once per machine, ~60 s)")
+            if kernels_built():
+                log.info("loading the CPU kernels (built on this machine before)")
+            else:
+                log.info("building the CPU kernels: once per machine, ~1 min")
             with build_lock(build_dir):
                 _module = _load(load, build_dir)
             _register_fake()
@@ -82,6 +85,11 @@ def paged_attention_kernels() -> Any:
             log.warning("CPU paged-attention kernels unavailable (%s); using gather + SDPA", str(e)[:300])
             _module = None
         return _module
+
+
+def kernels_built() -> bool:
+    """Whether this machine already holds a build of these sources (loading takes a second)."""
+    return (build_directory() / "tokenfleet_paged_attention_cpu.so").exists()
 
 
 def build_directory() -> Path:
