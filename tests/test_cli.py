@@ -248,3 +248,9 @@ def test_top_level_help_shows_whole_summaries():
     out = CliRunner().invoke(main, ["--help"])
     commands = out.output.split("Commands:")[1]
     assert "..." not in commands and "…" not in commands
+
+
+def test_worker_on_a_directory_that_is_not_a_model_says_so(tmp_path):
+    out = CliRunner().invoke(main, ["worker", "--model", str(tmp_path)])
+    assert out.exit_code == 1 and "is not a Hugging Face model directory" in out.output
+    assert "tokenizer" in out.output and "Traceback" not in out.output

@@ -278,6 +278,7 @@ def worker(ctx: click.Context, **_: object) -> None:
         _fail(str(e))
     if not o["model_dir"]:
         _fail("no model: give --model DIR (or TOKENFLEET_MODEL, or model in the --config file)")
+    _check_worker_model(o["model_dir"])
     logging.basicConfig(
         level=o["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -461,6 +462,21 @@ def submit(
         _fail(str(e))
     except Exception as e:  # redis errors, bad parameters: one line, no traceback
         _fail(f"{type(e).__name__}: {e}")
+
+
+def _check_worker_model(model_dir: str) -> None:
+    """One line for a --model that cannot be a Hugging Face model directory, before any loading."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        _fail(f"--model {model_dir}: no such directory")
+    missing = [name for name in ("config.json",) if not (path / name).exists()]
+    if not any(path.glob("tokenizer*")):
+        missing.append("tokenizer.json (or tokenizer files)")
+    if missing:
+        _fail(
+            f"--model {model_dir} is not a Hugging Face model directory: no {' or '.join(missing)} "
+            "(build a test model with `tokenfleet model init DIR`, or point at a saved model)"
+        )
 
 
 def _check_model_dir(model_dir: str | None) -> None:

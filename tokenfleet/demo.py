@@ -21,6 +21,8 @@ import redis
 from tokenfleet.config import DEFAULT_REDIS_URL, DynamicBatchingConfig, KVCacheConfig, WorkerConfig
 from tokenfleet.embedded import EmbeddedRedis, answers
 
+PROGRESS_EVERY_S = 3.0
+
 DEMO_PROMPTS = (
     "Hello, fleet!",
     "Write a haiku about queues.",
@@ -99,6 +101,7 @@ def _run(model_dir: str, url: str, prefix: str, requests: int, max_new_tokens: i
     )
     thread = threading.Thread(target=worker.run, name="tokenfleet-worker", daemon=True)
     thread.start()
+    _wait_until_serving(worker, thread, echo)
     echo(f"worker up on {url} (prefix {prefix!r}); submitting {requests} prompts at once\n")
 
     async def burst() -> list[tuple[str, float, str]]:
@@ -133,6 +136,18 @@ def _run(model_dir: str, url: str, prefix: str, requests: int, max_new_tokens: i
         echo(f"batch size {size}")
     echo(f"\n{len(rows)} requests in {len(batch_sizes)} batches (random-weight model: the text is noise)")
     return DemoReport([r[1] for r in rows], batch_sizes, len(rows))
+
+
+def _wait_until_serving(worker, thread: threading.Thread, echo: Callable[[str], None]) -> None:
+    """Wait for the worker to join the fleet, with a line every few seconds of the wait."""
+    began = last = time.monotonic()
+    while not worker.setup_done and thread.is_alive():
+        time.sleep(0.05)
+        if time.monotonic() - last >= PROGRESS_EVERY_S:
+            last = time.monotonic()
+            echo(f"  ... still connecting the worker to Redis ({last - began:.0f} s)")
+    if not thread.is_alive():
+        raise RuntimeError("the demo's worker stopped while starting (see the log above)")
 
 
 def _start_up_note() -> str:
