@@ -52,6 +52,11 @@ def test_model_init_writes_a_from_pretrained_directory(tmp_path):
 
 
 def test_demo_runs_end_to_end_and_forms_batches(redis_url, tmp_path):
+    from tokenfleet.engines.native import cpu_kernels
+
+    # a fresh cache for the demo's model, this machine's kernel builds (they take a minute)
+    (tmp_path / "tokenfleet").mkdir()
+    (tmp_path / "tokenfleet" / "kernels").symlink_to(cpu_kernels.build_directory().parent)
     out = tf(
         "demo",
         "--requests",
@@ -65,6 +70,7 @@ def test_demo_runs_end_to_end_and_forms_batches(redis_url, tmp_path):
     sizes = [int(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("batch size")]
     assert sum(sizes) == 12 and max(sizes) > 1, out.stdout
     assert out.stdout.count("TTFT") == 12
+    assert "building the tiny demo model" in out.stdout and "starting a worker" in out.stdout
 
 
 def test_worker_process_serves_cli_submit_and_exits_0_on_sigterm(redis_url, prefix, tiny_model):

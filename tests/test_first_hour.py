@@ -49,3 +49,13 @@ def test_the_bucket_list_holds_live_workers_buckets_only(run_worker, redis_url, 
             assert time.monotonic() < deadline, "the stale bucket stayed"
             time.sleep(0.1)
         assert {int(b) for b in r.smembers(keys.buckets)} == {16, 64}
+
+
+def test_the_heartbeat_carries_the_engine_and_kv_use(run_worker, redis_url, prefix, r):
+    from tokenfleet.status import fleet_status, format_status
+
+    with run_worker(BATCHING):
+        (beat,) = fleet_status(r, Keys(prefix))["workers"]
+        table = format_status(fleet_status(r, Keys(prefix)))
+    assert beat["engine"] == "native" and beat["kv_blocks_total"] > 0
+    assert f"0/{beat['kv_blocks_total']}" in table and " 0/0" not in table
