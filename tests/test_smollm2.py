@@ -137,3 +137,63 @@ def test_a_stop_string_spanning_tokens_is_never_streamed(tokenizer, sample, data
     streamed = "".join(texts)
     assert streamed == full[: full.index(stop)]
     assert seq.finish_reason == "stop" and stop not in streamed
+
+
+def test_kill_9_mid_chat_another_worker_resumes_on_smollm2(
+    runner, reference, smollm2, redis_url, prefix, r, tmp_path
+):
+    """float32 workers: the resumed greedy continuation equals an uncrashed run's."""
+    import signal
+    import subprocess
+
+    from conftest import RunningWorker, worker_process
+
+    keys, new = Keys(prefix), 48
+    flags = ["--buckets", "64,128", "--max-wait-ms", "20", "--claim-idle-ms", "1000", "--max-seq-len", "512"]
+    log = open(tmp_path / "w.log", "w")  # noqa: SIM115 (closed below)
+    first = worker_process(smollm2, redis_url, prefix, *flags, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        client = Client(redis_url, model=smollm2, prefix=prefix, buckets=[64, 128])
+        prompts = [chat_ids(runner.tokenizer, q) for q in QUESTIONS[:3]]
+        handles = [client.submit(input_ids=ids, max_new_tokens=new, ignore_eos=True) for ids in prompts]
+        deadline = time.monotonic() + 180
+        while not all(r.xlen(keys.reply_stream(h.id)) >= 4 for h in handles):
+            assert time.monotonic() < deadline and first.poll() is None, "the first worker never streamed"
+            time.sleep(0.01)
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        assert all(r.xlen(keys.reply_stream(h.id)) < new for h in handles)
+        batching = DynamicBatchingConfig(max_wait_ms=5, max_batch_size=4, max_seq_len=512, buckets=(64, 128))
+        with RunningWorker(runner, redis_url, prefix, batching, claim_idle_ms=1000) as second:
+            results = [h.result(timeout=300) for h in handles]
+            assert second.worker.reclaimer.reclaimed == len(handles)
+    finally:
+        if first.poll() is None:
+            first.kill()
+        log.close()
+    for ids, res in zip(prompts, results):
+        assert res.token_ids == reference.greedy(ids, new, ignore_eos=True)
+
+
+def test_greedy_equals_generate_on_smollm2_with_preemption(smollm2, reference):
+    from test_engine import drain
+
+    from tokenfleet.engines.native.runner import ModelRunner
+
+    # 12 blocks of 16 tokens: four ~30-token chats growing by 24 tokens cannot all stay resident
+    small = ModelRunner(
+        smollm2, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(block_size=16, num_blocks=12)
+    )
+    cfg = DynamicBatchingConfig(
+        max_wait_ms=0, max_batch_size=4, max_seq_len=256, buckets=(64,), mode="continuous"
+    )
+    sched = Scheduler(small, cfg, clock=lambda: 1e9)
+    seqs = []
+    for i, question in enumerate(QUESTIONS):
+        ids = chat_ids(small.tokenizer, question)
+        request = Request(id=f"p{i}", input_ids=tuple(ids), max_new_tokens=24, ignore_eos=True)
+        seqs.append(SeqState(f"p{i}", request, ids, small.tokenizer, small.eos_token_ids, time.time()))
+    for seq in drain(sched, {0: seqs}):
+        assert seq.generated == reference.greedy(seq.prompt_ids, 24, ignore_eos=True), seq.request.id
+    assert sched.preemptions > 0, "the pool was never short: the test proves nothing"
+    sched.check_idle()
