@@ -180,9 +180,9 @@ def test_greedy_equals_generate_on_smollm2_with_preemption(smollm2, reference):
 
     from tokenfleet.engines.native.runner import ModelRunner
 
-    # 12 blocks of 16 tokens: four ~30-token chats growing by 24 tokens cannot all stay resident
+    # 24 blocks of 4 tokens: two ~36-token chats fit (10 blocks each), then both grow by 6 blocks
     small = ModelRunner(
-        smollm2, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(block_size=16, num_blocks=12)
+        smollm2, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=24)
     )
     cfg = DynamicBatchingConfig(
         max_wait_ms=0, max_batch_size=4, max_seq_len=256, buckets=(64,), mode="continuous"
