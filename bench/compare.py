@@ -405,14 +405,22 @@ def worker_flags(
     compile: bool,
     max_prefill_tokens: int,
 ) -> list[str]:
-    """``tokenfleet worker`` flags for the end-to-end rows: continuous batching, one bucket that
-    holds the workload, a KV pool that holds a full batch of its longest requests."""
+    """``tokenfleet worker`` flags for the native end-to-end rows: :func:`queue_flags`, a KV pool
+    that holds a full batch of its longest requests, and the native engine's own settings."""
+    flags = queue_flags(dtype, max_batch_size, max_seq_len, wait_ms, stream_interval_ms)
+    flags += ["--num-blocks", str(pool_blocks(reqs, max_batch_size))]
+    flags += ["--max-prefill-tokens", str(max_prefill_tokens), "--compile" if compile else "--no-compile"]
+    return flags
+
+
+def queue_flags(
+    dtype: str, max_batch_size: int, max_seq_len: int, wait_ms: float, stream_interval_ms: float
+) -> list[str]:
+    """What every end-to-end row's worker shares, whatever its engine: continuous batching, one
+    bucket that holds the workload, the wait and the stream interval."""
     flags = ["--dtype", dtype, "--buckets", str(max_seq_len // 2), "--max-seq-len", str(max_seq_len)]
     flags += ["--mode", "continuous", "--max-wait-ms", str(wait_ms), "--max-batch-size", str(max_batch_size)]
-    flags += ["--num-blocks", str(pool_blocks(reqs, max_batch_size))]
-    flags += ["--max-prefill-tokens", str(max_prefill_tokens)]
-    flags += ["--stream-interval-ms", str(stream_interval_ms), "--compile" if compile else "--no-compile"]
-    return flags
+    return flags + ["--stream-interval-ms", str(stream_interval_ms)]
 
 
 def run_e2e(
@@ -566,10 +574,8 @@ def run_e2e_vllm(
     from tokenfleet.producer import AsyncClient
 
     prefix = f"compare-vllm-{os.getpid()}"
-    flags = ["--engine", "vllm", "--dtype", dtype, "--buckets", str(max_seq_len // 2)]
-    flags += ["--max-seq-len", str(max_seq_len), "--mode", "continuous", "--max-wait-ms", str(wait_ms)]
-    flags += ["--max-batch-size", str(max_batch_size), "--kv-cache-memory", "4GiB", "--device", "cpu"]
-    flags += ["--stream-interval-ms", str(stream_interval_ms)]
+    flags = queue_flags(dtype, max_batch_size, max_seq_len, wait_ms, stream_interval_ms)
+    flags += ["--engine", "vllm", "--kv-cache-memory", "4GiB", "--device", "cpu"]
     python = str(VLLM_VENV / "bin" / "python")
     with (
         EmbeddedRedis() as server,

@@ -13,6 +13,7 @@ from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
 from tokenfleet.core.interface import TokenOutput
 from tokenfleet.core.scheduler import Scheduler
 from tokenfleet.core.sequence import SeqState
+from tokenfleet.core.vocab import render_chat
 from tokenfleet.producer import Client
 from tokenfleet.protocol import Keys, Request
 
@@ -34,10 +35,7 @@ def reference(smollm2):
 
 
 def chat_ids(tokenizer, question):
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
-    )
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return render_chat(tokenizer, [{"role": "user", "content": question}])
 
 
 @pytest.mark.parametrize("mode", ["static", "dynamic", "continuous"])

@@ -150,12 +150,11 @@ def ask(model_dir: Path, question: str, max_new_tokens: int = 24) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tokenfleet.core.vocab import render_chat
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt"
-    )
-    ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+    ids = torch.tensor([render_chat(tokenizer, [{"role": "user", "content": question}])])
     with torch.inference_mode():
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False

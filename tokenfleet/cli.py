@@ -555,7 +555,7 @@ def _check_exists(client: Any, request_id: str) -> None:
     from tokenfleet import protocol
     from tokenfleet.producer.lookup import request_exists
 
-    if protocol.salvage_request_id({b"id": request_id.encode()}) != request_id:
+    if not protocol.valid_request_id(request_id):
         _fail(f"{request_id!r} is not a request id (1-128 characters from A-Z a-z 0-9 . _ : -)")
     if not request_exists(client.redis, client.keys, request_id):
         _fail(

@@ -297,12 +297,15 @@ def _as_messages(rid: str | None, value: Any) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def valid_request_id(value: object) -> bool:
+    """Whether ``value`` is a request id as PROTOCOL.md defines it (usable as a reply key)."""
+    return isinstance(value, str) and _ID_RE.fullmatch(value) is not None
+
+
 def _request_id(body: dict[str, Any]) -> str | None:
     """The request id if it is usable as a reply key, else None."""
     rid = body.get("id")
-    if isinstance(rid, str) and _ID_RE.fullmatch(rid):
-        return rid
-    return None
+    return rid if valid_request_id(rid) else None
 
 
 def validate_request(body: dict[str, Any]) -> Request:
@@ -492,48 +495,49 @@ def decode_request(fields: dict[bytes, bytes]) -> Request:
         raise
 
 
-def salvage_reply_ttl(fields: dict[bytes, bytes]) -> int:
-    """The reply TTL an error reply to this entry gets: the request's own ``reply_ttl_s`` where
-    it can be read and is valid, else :data:`ERROR_REPLY_TTL_S`; never raises."""
-    try:
-        ttl = decode_request_body(fields).get("reply_ttl_s")
-    except Exception:  # noqa: BLE001 (undecodable: the short default)
-        return ERROR_REPLY_TTL_S
-    lo, hi = _INT_FIELDS["reply_ttl_s"]
-    if isinstance(ttl, int) and not isinstance(ttl, bool) and lo <= ttl <= hi:
-        return ttl
-    return DEFAULT_REPLY_TTL_S if ttl is None else ERROR_REPLY_TTL_S
-
-
 def encode_request(request: Request) -> dict[bytes, bytes]:
     """Stream fields of a request in the msgpack form."""
     return {BODY_FIELD: pack(request.to_wire())}
 
 
-def salvage_request_id(fields: dict[bytes, bytes]) -> str | None:
-    """Best-effort request id from an entry that failed to decode, so its caller still hears
-    back; never raises, whatever the entry holds."""
+def salvage_reply(fields: dict[bytes, bytes]) -> tuple[str | None, int]:
+    """Where an error reply to an entry that will not run goes, from one decode of it: the
+    request id if one can be read (else None), and the reply TTL, the request's own
+    ``reply_ttl_s`` where the entry decodes and it is valid, else :data:`ERROR_REPLY_TTL_S`.
+    Never raises, whatever the entry holds."""
     try:
-        return _request_id(decode_request_body(fields))
+        body: Any = decode_request_body(fields)
     except Exception:  # noqa: BLE001 (the salvage of a broken entry must not break in turn)
-        pass
+        body = None
+    ttl = ERROR_REPLY_TTL_S
+    if body is not None:
+        value = body.get("reply_ttl_s", DEFAULT_REPLY_TTL_S)
+        lo, hi = _INT_FIELDS["reply_ttl_s"]
+        if isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi:
+            ttl = value
+        return _request_id(body), ttl
     try:  # a msgpack body whose other strings are not UTF-8 (a prompt, say) still names its id
         data = fields[BODY_FIELD]
         if len(data) <= MAX_BODY_BYTES:
-            body = msgpack.unpackb(data, raw=False, unicode_errors="surrogateescape", ext_hook=_reject_ext)
-            check_nesting(body)
-            rid = _request_id(body) if isinstance(body, dict) else None
+            lenient = msgpack.unpackb(data, raw=False, unicode_errors="surrogateescape", ext_hook=_reject_ext)
+            check_nesting(lenient)
+            rid = _request_id(lenient) if isinstance(lenient, dict) else None
             if rid is not None:
-                return rid
+                return rid, ttl
     except Exception:  # noqa: BLE001 (no id there: try the plain form's field)
         pass
     raw = fields.get(b"id") if isinstance(fields, dict) else None
     if isinstance(raw, bytes) and len(raw) <= MAX_ID_LEN:
         try:
-            return _request_id({"id": raw.decode("utf-8")})
+            return _request_id({"id": raw.decode("utf-8")}), ttl
         except UnicodeDecodeError:
-            return None
-    return None
+            pass
+    return None, ttl
+
+
+def salvage_request_id(fields: dict[bytes, bytes]) -> str | None:
+    """Best-effort request id from an entry that failed to decode (see :func:`salvage_reply`)."""
+    return salvage_reply(fields)[0]
 
 
 # -- backpressure ---------------------------------------------------------------------------------

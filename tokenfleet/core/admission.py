@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenfleet.batcher import Batcher, PendingRequest
+from tokenfleet.core.sequence import SeqState
 from tokenfleet.protocol import ErrorCode, Request, smallest_bucket
 
 
@@ -103,3 +105,12 @@ class Admission:
                 f"this worker's cache holds {lim.kv_tokens_per_seq} for one sequence",
             )
         return None
+
+    def queue(self, seq: SeqState, arrived: float, batcher: Batcher) -> Refusal | None:
+        """Queue ``seq`` in ``batcher`` if its tokens pass :meth:`check_tokens` (every core's
+        ``add``), else the refusal."""
+        prompt_len, max_new = len(seq.prompt_ids), seq.request.max_new_tokens
+        refusal = self.check_tokens(prompt_len, max_new)
+        if refusal is None:
+            batcher.add(PendingRequest(seq.key, prompt_len, max_new, arrived, payload=seq))
+        return refusal

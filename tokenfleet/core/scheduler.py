@@ -106,7 +106,7 @@ class Scheduler:
         self.preempted: deque[SeqState] = deque()
         self.on_batch = on_batch
         self.preemptions = 0
-        self.peak = self.memory_stats()  # pool use at its fullest since the last reset_peak()
+        self.peak = self.memory_stats()  # pool use at its fullest so far
         self._prefilled_last_step = False
         self._step_output = StepOutput()
 
@@ -114,11 +114,7 @@ class Scheduler:
 
     def add(self, seq: SeqState, arrived: float) -> Refusal | None:
         """Queue a sequence; a :class:`Refusal` if it can never run on this worker."""
-        prompt_len, max_new = len(seq.prompt_ids), seq.request.max_new_tokens
-        refusal = self.admission.check_tokens(prompt_len, max_new)
-        if refusal is None:
-            self.batcher.add(PendingRequest(seq.key, prompt_len, max_new, arrived, payload=seq))
-        return refusal
+        return self.admission.queue(seq, arrived, self.batcher)
 
     def held(self) -> list[SeqState]:
         """Every sequence this scheduler holds: running, preempted and waiting."""
@@ -179,9 +175,6 @@ class Scheduler:
         if self.allocator.num_used_blocks > self.peak.blocks_used:
             self.peak = self.memory_stats()
         return out
-
-    def reset_peak(self) -> None:
-        self.peak = self.memory_stats()
 
     def _step(self, flush: bool) -> list[TokenOutput]:
         # Joiners prefill between decode steps, never two prefills in a row: requests arriving

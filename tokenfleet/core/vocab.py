@@ -1,5 +1,5 @@
-"""Facts of a model's vocabulary that every backend needs the same way: its end-of-sequence ids
-and the longest text one token decodes to."""
+"""Facts of a model's vocabulary that every backend needs the same way: its end-of-sequence ids,
+the longest text one token decodes to, and chat messages rendered with its template."""
 
 from __future__ import annotations
 
@@ -23,3 +23,10 @@ def max_token_chars(tokenizer: Any) -> int:
     """Most characters one token decodes to (bounds a prompt's length from its token count)."""
     longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
     return max(1, longest + 1)  # +1: byte-level markers and word-boundary spaces
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` under the model's chat template, generation prompt added
+    (transformers returns a plain list or an encoding, by version)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

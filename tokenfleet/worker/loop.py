@@ -26,6 +26,7 @@ from tokenfleet.connection import connect_client
 from tokenfleet.core.admission import Refusal
 from tokenfleet.core.interface import BatchEvent, EngineCore, StepOutput
 from tokenfleet.core.sequence import SeqState
+from tokenfleet.core.vocab import render_chat
 from tokenfleet.engines import build_core
 from tokenfleet.errors import ProtocolError
 from tokenfleet.producer.lookup import heartbeats
@@ -487,9 +488,10 @@ class Worker:
         now_wall, now = time.time(), time.monotonic()
         # the max_wait_ms window counts from when Redis accepted the request, not from our read
         arrived = now - min(max(0.0, now_wall - seq.enqueued_wall), 3600.0)
-        refusal = self.core.add(seq, arrived)
-        if refusal is not None:
-            self._refuse(entry, ProtocolError(refusal.code, refusal.message, request_id=request.id))
+        try:
+            self._check(self.core.add(seq, arrived), request)
+        except ProtocolError as e:
+            self._refuse(entry, e)
 
     def _check(self, refusal: Refusal | None, request: protocol.Request) -> None:
         """Raise a refusal of admission as the request's error reply."""
@@ -518,14 +520,13 @@ class Worker:
             )
         messages = [{"role": role, "content": content} for role, content in request.messages or ()]
         try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return render_chat(tokenizer, messages)
         except Exception as e:  # the template's own checks (roles in order, say): the request's fault
             raise ProtocolError(
                 ErrorCode.INVALID_REQUEST,
                 f"the chat template refused the messages: {e}",
                 request_id=request.id,
             ) from e
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def _sequence(self, entry: Entry, request: protocol.Request) -> SeqState:
         self._check(self.core.admission.check_cap(request), request)
@@ -587,8 +588,9 @@ class Worker:
         where it can be read) when an id can be, a dead letter when the entry cannot be served at
         all; then acknowledge it. A duplicate id gets no reply: that stream is the first one's."""
         self.metrics.failed(error.code)
+        salvaged_id, reply_ttl = protocol.salvage_reply(entry.fields)
         duplicate = error.code == ErrorCode.DUPLICATE_ID
-        request_id = None if duplicate else error.request_id or protocol.salvage_request_id(entry.fields)
+        request_id = None if duplicate else error.request_id or salvaged_id
         if error.dead_letter:
             self._warn.log(
                 logging.WARNING,
@@ -603,7 +605,7 @@ class Worker:
             log.debug("refusing request %s: %s", request_id, error.code)
         if request_id is not None:
             event = protocol.error_event(error.code, error.message)
-            self.outbox.event(request_id, event, protocol.salvage_reply_ttl(entry.fields))
+            self.outbox.event(request_id, event, reply_ttl)
         self.outbox.ack(entry.stream, entry.entry_id)
 
     def _claim_id(self, entry: Entry, request: protocol.Request) -> None:

@@ -74,7 +74,7 @@ def paged_attention_kernels() -> Any:
             from torch.utils.cpp_extension import load
 
             build_dir = build_directory()
-            if kernels_built():
+            if kernels_built(build_dir):
                 log.info("loading the CPU kernels (built on this machine before)")
             else:
                 log.info("building the CPU kernels: once per machine, ~1 min")
@@ -87,9 +87,9 @@ def paged_attention_kernels() -> Any:
         return _module
 
 
-def kernels_built() -> bool:
+def kernels_built(build_dir: Path | None = None) -> bool:
     """Whether this machine already holds a build of these sources (loading takes a second)."""
-    return (build_directory() / "tokenfleet_paged_attention_cpu.so").exists()
+    return ((build_dir or build_directory()) / "tokenfleet_paged_attention_cpu.so").exists()
 
 
 def build_directory() -> Path:

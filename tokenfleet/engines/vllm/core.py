@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
-from tokenfleet.batcher import Batch, Batcher, PendingRequest
+from tokenfleet.batcher import Batch, Batcher
 from tokenfleet.config import DynamicBatchingConfig, WorkerConfig
 from tokenfleet.core.admission import Admission, Limits, Refusal
 from tokenfleet.core.interface import BatchEvent, Capacity, ModelFacts, StepOutput, TokenOutput
@@ -84,11 +84,8 @@ class VllmCore:
     # -- intake ---------------------------------------------------------------------------------
 
     def add(self, seq: SeqState, arrived: float) -> Refusal | None:
-        prompt_len, max_new = len(seq.prompt_ids), seq.request.max_new_tokens
-        refusal = self.admission.check_tokens(prompt_len, max_new)
-        if refusal is None:
-            self.batcher.add(PendingRequest(seq.key, prompt_len, max_new, arrived, payload=seq))
-        return refusal
+        """Queue a sequence; a :class:`Refusal` if it can never run on this worker."""
+        return self.admission.queue(seq, arrived, self.batcher)
 
     def held(self) -> list[SeqState]:
         return [*self._active.values(), *(item.payload for item in self.batcher.pending())]
