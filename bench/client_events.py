@@ -1,7 +1,7 @@
 """Client CPU per reply event: what one asyncio client pays to stream many requests at once.
 
 A publisher process plays a worker: every ``--step-ms`` it writes one token event to each of
-``--requests`` reply streams through the worker's own :class:`~tokenfleet.worker.streams.Outbox`
+``--requests`` reply streams through the worker's own :class:`~tokenfleet.transport.outbox.Outbox`
 (one script call per step), then a ``done`` event each. One
 :class:`~tokenfleet.producer.AsyncClient` in this process streams all of them, as an API server
 proxying its users would (the bench's end-to-end rows drive a worker the same way). Each round
@@ -27,9 +27,8 @@ def publish(url: str, prefix: str, ids: list[str], steps: int, step_ms: float, g
     """The worker's side: a token event per stream per step, then the terminal events."""
     import redis
 
-    from tokenfleet import protocol
-    from tokenfleet.protocol import Keys
-    from tokenfleet.worker.streams import Outbox
+    from tokenfleet.protocol import DoneEvent, Keys, TokenEvent
+    from tokenfleet.transport.outbox import Outbox
 
     outbox = Outbox(redis.Redis.from_url(url), Keys(prefix))
     if not go.wait(timeout=600):
@@ -37,11 +36,11 @@ def publish(url: str, prefix: str, ids: list[str], steps: int, step_ms: float, g
     start = time.perf_counter()
     for step in range(steps):
         for rid in ids:
-            outbox.event(rid, protocol.token_event(step, [1000 + step], " tok"), 60 if step == 0 else None)
+            outbox.event(rid, TokenEvent(step, [1000 + step], " tok"), 60 if step == 0 else None)
         outbox.flush()
         time.sleep(max(0.0, start + (step + 1) * step_ms / 1000 - time.perf_counter()))
     for rid in ids:
-        outbox.event(rid, protocol.done_event("length", 128, steps, {}, len(ids)), 60)
+        outbox.event(rid, DoneEvent("length", 128, steps, {}, len(ids)), 60)
     outbox.flush()
 
 
@@ -74,8 +73,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args()
 
-    from tokenfleet.embedded import EmbeddedRedis
     from tokenfleet.producer import AsyncClient
+    from tokenfleet.transport.embedded import EmbeddedRedis
 
     rounds = []
     with EmbeddedRedis() as server:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 
 def model_or_built(model: str | None, size: str = "tiny") -> str:
@@ -46,6 +48,32 @@ def pin_bf16_linear_route(dtype: str, device: str = "cpu") -> str | None:
     route = linear_route(torch.device("cpu"), torch.bfloat16)
     os.environ["TOKENFLEET_BF16_LINEAR"] = route
     return route
+
+
+def host_kind() -> str:
+    """What kind of host a figure holds for: the CPU's vendor line, its widest matmul ISA and its
+    core count (hosts differ: AVX2-only EPYCs, AVX-512 and AMX Xeons, AVX512-BF16 EPYCs)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    flags = set(next((ln for ln in info.splitlines() if ln.startswith("flags")), "").split())
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+    vendor = "EPYC" if "EPYC" in name else "Xeon" if "Xeon" in name else name or "CPU"
+    isa = next(
+        (label for flag, label in ISA_LABELS if flag in flags),
+        "x86-64" if "sse2" in flags else platform.machine(),
+    )
+    return f"{vendor} {isa}, {os.cpu_count()} vCPUs"
+
+
+ISA_LABELS = (("amx_tile", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+
+
+def pinned_bf16_linear() -> str:
+    """The route :func:`pin_bf16_linear_route` pinned (``auto`` when none), for the engines this
+    process builds itself (workers it starts read it from the environment, through their config)."""
+    return os.environ.get("TOKENFLEET_BF16_LINEAR", "auto")
 
 
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"

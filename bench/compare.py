@@ -42,6 +42,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -55,12 +56,16 @@ from typing import Any
 from bench.common import (
     TCMALLOC,
     allocator_env,
+    host_kind,
     model_or_built,
     percentile,
     pin_bf16_linear_route,
+    pinned_bf16_linear,
     worker_process,
 )
-from tokenfleet.config import DEFAULT_MAX_PREFILL_TOKENS
+from tokenfleet.config import DynamicBatchingConfig
+
+DEFAULT_MAX_PREFILL_TOKENS = DynamicBatchingConfig().max_prefill_tokens
 
 HERE = Path(__file__).resolve().parent
 VLLM_VENV = HERE / "peers" / ".vllm-venv"
@@ -321,13 +326,19 @@ class InProcessEngine:
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         device: str = "cpu",
     ):
-        from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
+        from tokenfleet.config import KVCacheConfig
         from tokenfleet.engines.native.runner import ModelRunner
 
         self.reqs = reqs  # the workload its KV pool is sized for
         kv = KVCacheConfig(num_blocks=pool_blocks(reqs, max_batch_size))
         self.engine = ModelRunner(
-            model_dir, device=device, dtype=dtype, kv=kv, compile=compile, max_batch_size=max_batch_size
+            model_dir,
+            device=device,
+            dtype=dtype,
+            kv=kv,
+            compile=compile,
+            max_batch_size=max_batch_size,
+            bf16_linear=pinned_bf16_linear(),
         )
         self.engine.warm_up()  # compiles (when asked) before the clock starts, as the worker does
         self.batching = DynamicBatchingConfig(
@@ -439,8 +450,8 @@ def run_e2e(
     threads: int | None = None,
 ) -> dict:
 
-    from tokenfleet.embedded import EmbeddedRedis
     from tokenfleet.producer import AsyncClient
+    from tokenfleet.transport.embedded import EmbeddedRedis
 
     prefix = f"compare-{os.getpid()}"
     flags = worker_flags(
@@ -570,8 +581,8 @@ def run_e2e_vllm(
 ) -> dict:
     """The ``tokenfleet-e2e-vllm`` row: a worker on the vLLM backend (in vLLM's virtualenv, with
     vllm-best's settings), Redis, and the same client as the other end-to-end rows."""
-    from tokenfleet.embedded import EmbeddedRedis
     from tokenfleet.producer import AsyncClient
+    from tokenfleet.transport.embedded import EmbeddedRedis
 
     prefix = f"compare-vllm-{os.getpid()}"
     flags = queue_flags(dtype, max_batch_size, max_seq_len, wait_ms, stream_interval_ms)
@@ -943,6 +954,9 @@ def main() -> None:
         by_round.append(done)
     results = combine_rounds(rows, by_round)
     meta = {
+        "host": host_kind(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "python -m bench.compare " + shlex.join(sys.argv[1:]),
         "model": model_dir,
         "size": None if args.model else args.size,
         "dtype": args.dtype,

@@ -41,7 +41,7 @@ WITHIN = 0.95  # "within 5%": end to end at least this share of in process
 
 
 def main() -> None:
-    from tokenfleet.config import DEFAULT_MAX_PREFILL_TOKENS
+    from tokenfleet.config import DynamicBatchingConfig
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="local HF model dir (default: build --size in a temp dir)")
@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="the worker's")
     p.add_argument("--stream-interval-ms", type=float, default=0.0, help="the worker's")
-    p.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS)
+    p.add_argument("--max-prefill-tokens", type=int, default=DynamicBatchingConfig().max_prefill_tokens)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--no-compile", action="store_true", help="eager on both sides (compiled by default)")
     p.add_argument(
@@ -70,8 +70,8 @@ def main() -> None:
             {**os.environ, **preload},
         )
 
-    from tokenfleet.embedded import EmbeddedRedis
     from tokenfleet.producer import AsyncClient
+    from tokenfleet.transport.embedded import EmbeddedRedis
 
     compile = not args.no_compile
     model_dir = model_or_built(args.model, args.size)

@@ -21,10 +21,17 @@ import os
 import statistics
 import time
 
-from bench.common import allocator_env, model_or_built, percentile, pin_bf16_linear_route, worker_process
+from bench.common import (
+    allocator_env,
+    model_or_built,
+    percentile,
+    pin_bf16_linear_route,
+    pinned_bf16_linear,
+    worker_process,
+)
 from bench.compare import make_workload
-from tokenfleet.embedded import EmbeddedRedis
 from tokenfleet.producer import Client
+from tokenfleet.transport.embedded import EmbeddedRedis
 
 IDLE_S = 0.3
 
@@ -37,7 +44,9 @@ class InProcessPrefill:
         from tokenfleet.config import KVCacheConfig
         from tokenfleet.engines.native.runner import ModelRunner
 
-        self.engine = ModelRunner(model_dir, dtype=dtype, kv=KVCacheConfig(num_blocks=64))
+        self.engine = ModelRunner(
+            model_dir, dtype=dtype, kv=KVCacheConfig(num_blocks=64), bf16_linear=pinned_bf16_linear()
+        )
         self.prompt = prompt
         self.ms()  # the first includes one-time set-up
 

@@ -19,8 +19,8 @@ import statistics
 import time
 
 from bench.common import model_or_built, percentile, worker_process
-from tokenfleet.embedded import EmbeddedRedis
 from tokenfleet.producer import AsyncClient
+from tokenfleet.transport.embedded import EmbeddedRedis
 
 CONFIGS = [
     ("static batch 1", ["--mode", "static", "--max-batch-size", "1"]),

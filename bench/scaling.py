@@ -29,9 +29,9 @@ import time
 import redis
 
 from bench.common import model_or_built
-from tokenfleet.embedded import EmbeddedRedis
 from tokenfleet.producer import Client
 from tokenfleet.protocol import Keys
+from tokenfleet.transport.embedded import EmbeddedRedis
 
 WORDS = ["queue", "stream", "token", "fleet", "batch", "cache", "block", "worker", "redis", "slot"]
 TIMES = re.compile(

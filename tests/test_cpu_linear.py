@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenfleet.config import EngineConfig
 from tokenfleet.engines.native import cpu_linear
 from tokenfleet.engines.native.cpu_linear import PackedLinear, onednn_linears_wanted, pack_linears
 
@@ -68,16 +69,14 @@ def test_a_bf16_linear_computes_the_bf16_products_in_float32_and_rounds_once(bia
     assert (got.double() - exact).abs().max() <= (native.double() - exact).abs().max() * 1.5 + 1e-6
 
 
-def test_float32_always_on_the_cpu_and_the_switch_turns_it_off(monkeypatch):
+def test_float32_always_on_the_cpu_and_the_switch_turns_it_off():
     cpu = torch.device("cpu")
     assert onednn_linears_wanted(cpu, torch.float32)
     assert not onednn_linears_wanted(cpu, torch.float16)
     assert not onednn_linears_wanted(torch.device("cuda"), torch.float32)
     assert not onednn_linears_wanted(torch.device("cuda"), torch.bfloat16)
-    monkeypatch.setenv("TOKENFLEET_ONEDNN_LINEAR", "0")
-    assert not onednn_linears_wanted(cpu, torch.float32)
-    monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "float32")
-    assert not onednn_linears_wanted(cpu, torch.bfloat16)
+    assert not onednn_linears_wanted(cpu, torch.float32, onednn=False)
+    assert not onednn_linears_wanted(cpu, torch.bfloat16, route="float32", onednn=False)
 
 
 def test_bf16_takes_float32_gemms_where_they_measure_faster(monkeypatch, caplog):
@@ -85,7 +84,7 @@ def test_bf16_takes_float32_gemms_where_they_measure_faster(monkeypatch, caplog)
     monkeypatch.setattr(cpu_linear, "bf16_matmul_speed", lambda: 0.6)
     with caplog.at_level(logging.INFO, logger=cpu_linear.__name__):
         assert onednn_linears_wanted(cpu, torch.bfloat16)
-    assert "0.60x float32" in caplog.text and "TOKENFLEET_BF16_LINEAR=native" in caplog.text
+    assert "0.60x float32" in caplog.text and "--bf16-linear native" in caplog.text
     monkeypatch.setattr(cpu_linear, "bf16_matmul_speed", lambda: 1.9)
     assert not onednn_linears_wanted(cpu, torch.bfloat16)
 
@@ -100,20 +99,16 @@ def test_bf16_stays_on_bf16_gemms_when_float32_weights_would_not_fit(monkeypatch
     with caplog.at_level(logging.INFO, logger=cpu_linear.__name__):
         assert not onednn_linears_wanted(cpu, torch.bfloat16, model)
     assert "stay on bf16 GEMMs" in caplog.text
-    monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "float32")  # the user's word overrides the guess
-    assert onednn_linears_wanted(cpu, torch.bfloat16, model)
+    assert onednn_linears_wanted(cpu, torch.bfloat16, model, route="float32")  # the user's word wins
 
 
 def test_the_bf16_switch_overrides_the_measurement_and_refuses_typos(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(cpu_linear, "bf16_matmul_speed", lambda: pytest.fail("timed despite the switch"))
-    monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "native")
-    assert not onednn_linears_wanted(cpu, torch.bfloat16)
-    monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "float32")
-    assert onednn_linears_wanted(cpu, torch.bfloat16)
-    monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "fp32")
-    with pytest.raises(ValueError, match="TOKENFLEET_BF16_LINEAR"):
-        onednn_linears_wanted(cpu, torch.bfloat16)
+    assert not onednn_linears_wanted(cpu, torch.bfloat16, route="native")
+    assert onednn_linears_wanted(cpu, torch.bfloat16, route="float32")
+    with pytest.raises(ValueError, match="bf16_linear"):
+        EngineConfig(bf16_linear="fp32")
 
 
 def test_bf16_and_float16_models_pack_only_what_oneDNN_float32_can_hold():
@@ -125,9 +120,13 @@ def test_bf16_and_float16_models_pack_only_what_oneDNN_float32_can_hold():
 
 # -- tokenfleet's own bf16 kernel (VDPBF16PS with AVX512-BF16, float32 FMAs with AVX-512 or AVX2) --
 
-needs_kernel = pytest.mark.skipif(
-    not cpu_linear.bf16_kernel_available(), reason="tokenfleet::linear_bf16 needs a CPU with AVX-512 or AVX2"
-)
+
+def needs_kernel(test):
+    """Builds the kernels (a minute on a new machine); skipped where the CPU cannot run them."""
+    reason = "tokenfleet::linear_bf16 needs a CPU with AVX-512 or AVX2"
+    return pytest.mark.integration(
+        pytest.mark.skipif("not cpu_linear.bf16_kernel_available()", reason=reason)(test)
+    )
 
 
 @needs_kernel
@@ -210,7 +209,6 @@ def fixed_speeds(kernel, native, float32=(1.0, 1.0)):
 @needs_kernel
 def test_auto_takes_the_bf16_kernel_only_where_it_measures_fastest(monkeypatch, caplog):
     cpu = torch.device("cpu")
-    monkeypatch.delenv("TOKENFLEET_BF16_LINEAR", raising=False)
     # as on a Zen 4 EPYC: faster at 32 rows, level at 512
     monkeypatch.setattr(cpu_linear, "bf16_linear_speeds", fixed_speeds((0.8, 0.5), (1.0, 0.5)))
     with caplog.at_level(logging.INFO, logger="tokenfleet.engines.native.cpu_linear"):
@@ -230,31 +228,27 @@ def test_auto_takes_the_bf16_kernel_only_where_it_measures_fastest(monkeypatch, 
     monkeypatch.setattr(cpu_linear, "bf16_linear_speeds", fixed_speeds((0.8, 1.15), (1.0, 1.0), (1.0, 2.0)))
     assert not cpu_linear.bf16_kernel_wanted(cpu, torch.bfloat16)
     # the switch decides without measuring
-    monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "kernel")
-    assert cpu_linear.bf16_kernel_wanted(cpu, torch.bfloat16)
-    monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "native")
+    assert cpu_linear.bf16_kernel_wanted(cpu, torch.bfloat16, "kernel")
     monkeypatch.setattr(cpu_linear, "bf16_linear_speeds", fixed_speeds((0.1, 0.1), (1.0, 1.0)))
-    assert not cpu_linear.bf16_kernel_wanted(cpu, torch.bfloat16)
+    assert not cpu_linear.bf16_kernel_wanted(cpu, torch.bfloat16, "native")
 
 
 def test_without_avx512_or_avx2_the_kernel_is_never_taken(monkeypatch, caplog):
     monkeypatch.setattr(cpu_linear, "bf16_kernel_available", lambda: False)
-    monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", "kernel")
     with caplog.at_level(logging.WARNING, logger="tokenfleet.engines.native.cpu_linear"):
-        assert not cpu_linear.bf16_kernel_wanted(torch.device("cpu"), torch.bfloat16)
+        assert not cpu_linear.bf16_kernel_wanted(torch.device("cpu"), torch.bfloat16, "kernel")
     assert "lacks AVX-512 and AVX2" in caplog.text
 
 
 @needs_kernel
-def test_a_bf16_engine_on_the_kernel_agrees_with_one_on_onednn(tiny_model, monkeypatch):
+def test_a_bf16_engine_on_the_kernel_agrees_with_one_on_onednn(tiny_model):
     from tokenfleet.engines.native.runner import ModelRunner
     from tokenfleet.kvcache.allocator import BlockAllocator
 
     prompts = [[5, 9, 13, 40, 2, 77], [100, 3], list(range(30, 60))]
     logits = {}
     for route in ("kernel", "native"):
-        monkeypatch.setenv("TOKENFLEET_BF16_LINEAR", route)
-        engine = ModelRunner(tiny_model, device="cpu", dtype="bfloat16")
+        engine = ModelRunner(tiny_model, device="cpu", dtype="bfloat16", bf16_linear=route)
         kinds = {type(m).__name__ for m in engine.model.modules()}
         assert ("KernelLinear" in kinds) is (route == "kernel")
         alloc = BlockAllocator(engine.num_blocks, engine.block_size)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from tokenfleet.embedded import free_port
+from tokenfleet.transport.embedded import free_port
 
 ROOT = Path(__file__).parent.parent
 
@@ -65,9 +65,7 @@ def test_compose_commands_work_when_run_directly(tmp_path, redis_url, prefix):
     )
     assert settings.returncode == 0, settings.stderr
     resolved = json.loads(settings.stdout)
-    assert (
-        resolved["model"] == str(models / "tiny") and resolved["batching"]["max_batch_size"] == 16
-    )  # online
+    assert resolved["model"] == str(models / "tiny") and resolved["max_batch_size"] == 16  # online
     proc = subprocess.Popen(
         [sys.executable, "-m", "tokenfleet", *command],
         env={**os.environ, **env},

@@ -10,7 +10,8 @@ from conftest import TEST_DEVICE, Reference
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
 from tokenfleet.core.scheduler import Scheduler
 from tokenfleet.core.sequence import SeqState
-from tokenfleet.engines.native.runner import ModelRunner, prefill_padded_size
+from tokenfleet.engines.native.runner import ModelRunner
+from tokenfleet.engines.native.shapes import prefill_padded_size
 from tokenfleet.kvcache.allocator import BlockAllocator
 from tokenfleet.protocol import Request
 
@@ -260,6 +261,7 @@ def test_packed_prefill_of_mixed_lengths_runs_in_one_forward(engine, reference):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # inductor's own (TypedStorage) deprecation notes
+@pytest.mark.timeout(180)  # a minute or more on a busy 2-core machine
 def test_compiled_decode_equals_generate(tiny_model, reference):
     """torch.compile'd decode (frozen weights, autotuned matmuls, padded batches) keeps greedy
     equivalence; one bucket (max_batch_size 8) keeps the compile to well under a minute."""
@@ -279,6 +281,7 @@ def test_compiled_decode_equals_generate(tiny_model, reference):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.timeout(180)  # a minute or more on a busy 2-core machine
 def test_two_compiled_engines_in_one_process_each_run_their_own_weights(tiny_model, reference, tmp_path):
     """Compiled graphs freeze the weights in as constants and skip most guards on the model's
     modules (keep_guards): a second model of the same class, compiled in the same process, must

@@ -52,7 +52,8 @@ def test_the_bucket_list_holds_live_workers_buckets_only(run_worker, redis_url, 
 
 
 def test_the_heartbeat_carries_the_engine_and_kv_use(run_worker, redis_url, prefix, r):
-    from tokenfleet.status import fleet_status, format_status
+    from tokenfleet.cli.fleet import format_status
+    from tokenfleet.transport.status import fleet_status
 
     with run_worker(BATCHING):
         (beat,) = fleet_status(r, Keys(prefix))["workers"]

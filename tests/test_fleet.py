@@ -44,8 +44,9 @@ def fleet_url(request, redis_url):
     return redis_url if request.param == "single" else request.getfixturevalue("redis_cluster_url")
 
 
+@pytest.mark.timeout(180)  # a minute or more on a busy 2-core machine
 def test_many_workers_many_producers_every_request_once(fleet_url, prefix, tiny_model, reference, tmp_path):
-    from tokenfleet.connection import connect_client
+    from tokenfleet.transport.connection import connect_client
 
     env = {**os.environ, "REDIS_URL": fleet_url, "TOKENFLEET_PREFIX": prefix, "OMP_NUM_THREADS": "1"}
     prompts = prompt_pool()
@@ -101,7 +102,7 @@ def test_many_workers_many_producers_every_request_once(fleet_url, prefix, tiny_
             events = [
                 protocol.decode_event(f) for _, f in client.xrange(Keys(prefix).reply_stream(f"req-{i}"))
             ]
-            assert [e["type"] for e in events].count("done") == 1 and len(events) == len(res.token_ids) + 1
+            assert [e.type for e in events].count("done") == 1 and len(events) == len(res.token_ids) + 1
     finally:
         for w in workers:
             w.send_signal(signal.SIGTERM)

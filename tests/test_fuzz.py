@@ -86,13 +86,16 @@ entries = st.one_of(
 )
 
 
+@pytest.mark.timeout(180)  # a minute or more on a busy 2-core machine
 def test_fuzzed_entries_never_kill_the_worker(run_worker, redis_url, prefix, r, model_path, reference):
     keys = Keys(prefix)
     streams = [keys.request_stream(16), keys.request_stream(64), keys.auto_stream]
-    batching = DynamicBatchingConfig(max_wait_ms=2, max_batch_size=16, max_seq_len=128, buckets=(16, 64))
+    batching = DynamicBatchingConfig(
+        max_wait_ms=2, max_batch_size=16, max_seq_len=128, buckets=(16, 64), max_new_tokens_cap=8
+    )
     client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
     sent = 0
-    with run_worker(batching, max_new_tokens_cap=8) as running:
+    with run_worker(batching) as running:
 
         @settings(
             max_examples=int(os.environ.get("FUZZ_EXAMPLES", "30")),
@@ -132,7 +135,7 @@ def test_fuzzed_entries_never_kill_the_worker(run_worker, redis_url, prefix, r, 
 
 # -- twenty thousand malformed entries, every class of bad input -----------------------------------
 
-# What one bad entry may leave in Redis (docs/OPERATIONS.md "Bad input and Redis memory"): a dead
+# What one bad entry may leave in Redis (docs/OPERATIONS.md, "Redis memory"): a dead
 # letter of at most DEAD_LETTER_BODY_BYTES of body plus its fields (only the newest ~10,000 are
 # kept), an error reply stream until its TTL, and an owner key for an id that passed validation.
 DEAD_LETTER_BYTES = protocol.DEAD_LETTER_BODY_BYTES + 512
@@ -204,6 +207,7 @@ def redis_bytes(r, prefix: str) -> int:
     return sum(n or 0 for n in pipe.execute())
 
 
+@pytest.mark.timeout(180)  # a minute or more on a busy 2-core machine
 def test_twenty_thousand_malformed_entries_cost_only_themselves(
     run_worker, redis_url, prefix, r, model_path, reference
 ):
@@ -212,10 +216,12 @@ def test_twenty_thousand_malformed_entries_cost_only_themselves(
     rng = random.Random(27)
     total = int(os.environ.get("FUZZ_MALFORMED", "20000"))
     keys = Keys(prefix)
-    batching = DynamicBatchingConfig(max_wait_ms=2, max_batch_size=32, max_seq_len=128, buckets=(16, 64))
+    batching = DynamicBatchingConfig(
+        max_wait_ms=2, max_batch_size=32, max_seq_len=128, buckets=(16, 64), max_new_tokens_cap=8
+    )
     client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
     valid: list[tuple[str, object]] = []
-    with run_worker(batching, max_new_tokens_cap=8) as running:
+    with run_worker(batching) as running:
         for chunk in range(0, total, 1000):
             pipe = r.pipeline(transaction=False)
             for i in range(chunk, min(total, chunk + 1000)):

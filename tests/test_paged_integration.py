@@ -38,9 +38,9 @@ def check_replies(r, prefix, handles, reference, max_new, **ref_kw):
         res = handle.result(timeout=120)
         assert res.token_ids == reference.greedy(reference.ids(prompt), max_new, **ref_kw), prompt
         events = [protocol.decode_event(f) for _, f in r.xrange(Keys(prefix).reply_stream(handle.id))]
-        indices = [e["index"] for e in events if e["type"] == "token"]
+        indices = [e.index for e in events if e.type == "token"]
         assert indices == list(range(len(res.token_ids))), "duplicate or missing token events"
-        assert [e["type"] for e in events].count("done") == 1
+        assert [e.type for e in events].count("done") == 1
 
 
 @pytest.mark.parametrize("mode", ["static", "dynamic", "continuous"])

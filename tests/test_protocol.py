@@ -5,7 +5,8 @@ import pytest
 
 from tokenfleet import protocol
 from tokenfleet.errors import ProtocolError
-from tokenfleet.protocol import ErrorCode, Keys, Request
+from tokenfleet.protocol import DoneEvent, ErrorCode, Keys, Request
+from tokenfleet.transport import scripts
 
 
 def test_keys_share_one_prefix():
@@ -153,12 +154,12 @@ def test_oversized_prompt_is_refused():
 
 
 def test_salvage_request_id_from_a_broken_entry():
-    assert protocol.salvage_request_id({b"id": b"abc", b"max_new_tokens": b"x"}) == "abc"
-    assert protocol.salvage_request_id({b"m": b"\xc1"}) is None
+    assert protocol.salvage_reply({b"id": b"abc", b"max_new_tokens": b"x"})[0] == "abc"
+    assert protocol.salvage_reply({b"m": b"\xc1"})[0] is None
 
 
 def test_reply_events_round_trip():
-    ev = protocol.done_event("stop", 3, 4, {"ttft_ms": 1.0}, 7)
+    ev = DoneEvent("stop", 3, 4, {"ttft_ms": 1.0}, 7)
     assert protocol.decode_event(protocol.encode_event(ev)) == ev
     assert protocol.encode_event(ev)[b"type"] == b"done"
 
@@ -167,4 +168,4 @@ def test_protocol_md_holds_the_enqueue_script_word_for_word():
     from pathlib import Path
 
     doc = (Path(__file__).parent.parent / "docs" / "PROTOCOL.md").read_text()
-    assert protocol.ENQUEUE_SCRIPT.strip() in doc
+    assert scripts.ENQUEUE.strip() in doc

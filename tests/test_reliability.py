@@ -13,7 +13,7 @@ from tokenfleet import protocol
 from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.errors import RequestFailed
 from tokenfleet.producer import Client
-from tokenfleet.protocol import GROUP, ErrorCode, Keys
+from tokenfleet.protocol import GROUP, ErrorCode, Keys, TokenEvent
 
 LONG = DynamicBatchingConfig(max_wait_ms=10, max_batch_size=8, max_seq_len=4096, buckets=(16, 64))
 
@@ -23,10 +23,10 @@ def events_of(r, prefix, request_id):
 
 
 def assert_clean_reply(events, expected_ids):
-    tokens = [e for e in events if e["type"] == "token"]
-    assert [e["index"] for e in tokens] == list(range(len(tokens))), "gap or duplicate"
-    assert [t for e in tokens for t in e["ids"]] == expected_ids
-    assert [e["type"] for e in events if e["type"] != "token"] == ["done"]
+    tokens = [e for e in events if e.type == "token"]
+    assert [e.index for e in tokens] == list(range(len(tokens))), "gap or duplicate"
+    assert [t for e in tokens for t in e.ids] == expected_ids
+    assert [e.type for e in events if e.type != "token"] == ["done"]
 
 
 def ghost_takes(r, stream, count=100):
@@ -46,11 +46,11 @@ def test_redelivered_request_resumes_from_streamed_tokens(
     assert ghost_takes(r, keys.request_stream(16))
     # the dead worker had streamed 7 tokens before it died
     for i, tok in enumerate(expected[:7]):
-        ev = protocol.token_event(i, [tok], "")
-        r.xadd(keys.reply_stream(handle.id), protocol.encode_event(ev), id=protocol.event_id(ev))
+        ev = TokenEvent(i, [tok], "")
+        r.xadd(keys.reply_stream(handle.id), protocol.encode_event(ev), id=ev.stream_id)
     with run_worker(LONG, claim_idle_ms=200) as running:
         res = handle.result(timeout=60)
-        assert running.worker.reclaimer.reclaimed == 1
+        assert running.worker.reclaimed == 1
     assert res.token_ids == expected
     assert_clean_reply(events_of(r, prefix, handle.id), expected)
     assert r.xpending(keys.request_stream(16), GROUP)["pending"] == 0
@@ -109,7 +109,7 @@ def test_kill_9_mid_stream_second_worker_finishes_everything(
         assert all(n < new for n in partial), f"the first worker finished before the kill: {partial}"
         with run_worker(LONG, claim_idle_ms=1000) as second:
             results = [h.result(timeout=180) for h in handles]
-            assert second.worker.reclaimer.reclaimed == len(prompts)
+            assert second.worker.reclaimed == len(prompts)
     finally:
         if first.poll() is None:
             first.kill()
@@ -180,7 +180,7 @@ def test_deadline_passing_while_running_stops_it(run_worker, redis_url, prefix, 
         with pytest.raises(RequestFailed) as info:
             handle.result(timeout=30)
     assert info.value.code == ErrorCode.DEADLINE_EXCEEDED
-    tokens = [e for e in events_of(r, prefix, handle.id) if e["type"] == "token"]
+    tokens = [e for e in events_of(r, prefix, handle.id) if e.type == "token"]
     assert 0 < len(tokens) < 3000
 
 
@@ -219,14 +219,9 @@ def test_full_queue_refuses_with_queue_full_instead_of_trimming(run_worker, redi
         assert {h.result(timeout=30).finish_reason for h in handles} == {"cancelled"}
 
 
-def test_streams_are_trimmed_of_acknowledged_entries_only(
-    run_worker, redis_url, prefix, r, model_path, monkeypatch
-):
-    import tokenfleet.worker.loop as loop
-
-    monkeypatch.setattr(loop, "TRIM_EVERY_S", 0.05)
+def test_streams_are_trimmed_of_acknowledged_entries_only(run_worker, redis_url, prefix, r, model_path):
     keys = Keys(prefix)
-    with run_worker(LONG):
+    with run_worker(LONG, trim_interval_s=0.05):
         client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
         for h in [client.submit(f"p{i}", max_new_tokens=2) for i in range(10)]:
             h.result(timeout=60)

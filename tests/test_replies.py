@@ -10,19 +10,17 @@ import redis.asyncio as aioredis
 from tokenfleet import protocol
 from tokenfleet.errors import ResultTimeout
 from tokenfleet.producer import AsyncClient
-from tokenfleet.producer import replies as replies_module
 from tokenfleet.producer.replies import ReplyReader
-from tokenfleet.protocol import Keys
+from tokenfleet.protocol import Keys, TokenEvent
 
 
-def test_followers_get_their_own_entries_and_a_new_one_ends_a_blocked_read(redis_url, prefix, monkeypatch):
+def test_followers_get_their_own_entries_and_a_new_one_ends_a_blocked_read(redis_url, prefix):
     # a blocked read that ignored a new follower would hold it for READ_BLOCK_MS: make that 30 s
-    monkeypatch.setattr(replies_module, "READ_BLOCK_MS", 30_000)
     keys = Keys(prefix)
 
     async def go():
         conn = aioredis.Redis.from_url(redis_url)
-        reader = ReplyReader(conn, keys, give_up_s=5)
+        reader = ReplyReader(conn, keys, give_up_s=5, read_block_ms=30_000)
         try:
             first = await reader.follow(keys.reply_stream("a"))
             await asyncio.sleep(0.2)  # the read is now blocked on stream a alone
@@ -48,15 +46,14 @@ def test_followers_get_their_own_entries_and_a_new_one_ends_a_blocked_read(redis
     assert not wake_left  # close() removes the client's wake-up stream
 
 
-def test_followers_starting_together_share_one_wake_up(redis_url, prefix, monkeypatch):
+def test_followers_starting_together_share_one_wake_up(redis_url, prefix):
     # a follower left without a wake-up would wait out a blocked read of 30 s
-    monkeypatch.setattr(replies_module, "READ_BLOCK_MS", 30_000)
     keys = Keys(prefix)
     streams = [keys.reply_stream(f"s{i}") for i in range(32)]
 
     async def go():
         conn = aioredis.Redis.from_url(redis_url)
-        reader = ReplyReader(conn, keys, give_up_s=5)
+        reader = ReplyReader(conn, keys, give_up_s=5, read_block_ms=30_000)
         pipelines = 0
         pipeline = conn.pipeline
 
@@ -137,7 +134,7 @@ def test_async_events_time_out_after_the_events_that_came(redis_url, prefix, r):
     """A request whose worker went quiet mid-stream: its events are handed over, then the timeout."""
     request_id = "went-quiet"
     for index in range(2):
-        event = protocol.token_event(index, [7], "x")
+        event = TokenEvent(index, [7], "x")
         r.xadd(Keys(prefix).reply_stream(request_id), protocol.encode_event(event))
 
     async def go():
@@ -145,7 +142,7 @@ def test_async_events_time_out_after_the_events_that_came(redis_url, prefix, r):
         async with AsyncClient(redis_url, prefix=prefix) as client:
             with pytest.raises(ResultTimeout):
                 async for event in client.events(request_id, timeout=0.5):
-                    got.append(event["index"])
+                    got.append(event.index)
         return got
 
     assert asyncio.run(go()) == [0, 1]
@@ -170,10 +167,9 @@ def test_two_readers_of_one_request_on_one_client_both_get_every_event(
     assert first_chunk.token_ids == expected[: len(first_chunk.token_ids)]
 
 
-def test_close_ends_a_read_at_once_even_when_the_first_cancel_is_lost(redis_url, prefix, monkeypatch):
+def test_close_ends_a_read_at_once_even_when_the_first_cancel_is_lost(redis_url, prefix):
     # On Python 3.11 redis-py's wait_for around the send swallows a cancel that lands right after
     # the read starts; close() must not then sit out the read's whole block
-    monkeypatch.setattr(replies_module, "READ_BLOCK_MS", 30_000)
     keys = Keys(prefix)
 
     async def go():
@@ -182,7 +178,7 @@ def test_close_ends_a_read_at_once_even_when_the_first_cancel_is_lost(redis_url,
         try:
             closes = []
             for pause in (0.0, 0.0, 0.1):
-                reader = ReplyReader(conn, keys, give_up_s=5)
+                reader = ReplyReader(conn, keys, give_up_s=5, read_block_ms=30_000)
                 await reader.follow(keys.reply_stream("a"))
                 await asyncio.sleep(pause)  # 0: the read has just been sent
                 started = asyncio.get_running_loop().time()

@@ -8,10 +8,10 @@ import pytest
 from conftest import worker_process
 
 from tokenfleet.config import DynamicBatchingConfig
-from tokenfleet.embedded import EmbeddedRedis, find_server_binary
 from tokenfleet.errors import RequestFailed
 from tokenfleet.producer import Client
 from tokenfleet.protocol import GROUP, Keys
+from tokenfleet.transport.embedded import EmbeddedRedis, find_server_binary
 
 pytestmark = pytest.mark.skipif(find_server_binary() is None, reason="needs a redis-server binary")
 

@@ -8,11 +8,11 @@ import time
 import pytest
 import redis
 
-from tokenfleet.acl import acl_rules
 from tokenfleet.config import DynamicBatchingConfig
-from tokenfleet.embedded import EmbeddedRedis, answers, find_server_binary, free_port
 from tokenfleet.producer import AsyncClient, Client
 from tokenfleet.protocol import Keys
+from tokenfleet.transport.acl import acl_rules
+from tokenfleet.transport.embedded import EmbeddedRedis, answers, find_server_binary, free_port
 
 pytestmark = pytest.mark.skipif(find_server_binary() is None, reason="needs a redis-server binary")
 BATCHING = DynamicBatchingConfig(max_wait_ms=5, max_batch_size=4, max_seq_len=256, buckets=(16, 64))
@@ -191,7 +191,7 @@ def test_operations_doc_shows_the_rules_the_code_applies():
 def test_the_monitor_reads_the_fleet_and_nothing_more(acl_server, engine, prefix):
     from conftest import RunningWorker
 
-    from tokenfleet.status import fleet_status
+    from tokenfleet.transport.status import fleet_status
 
     server, admin = acl_server
     worker_url = url_as(server, "tokenfleet-worker", "work-secret")

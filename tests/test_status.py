@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from tokenfleet.protocol import GROUP, Keys
-from tokenfleet.status import fleet_status
+from tokenfleet.transport.status import fleet_status
 
 
 def test_status_shows_live_worker_and_queues_matching_redis(run_worker, redis_url, prefix, r, model_path):
@@ -27,7 +27,7 @@ def test_status_shows_live_worker_and_queues_matching_redis(run_worker, redis_ur
             if r.xlen(keys.dead_letter):
                 break
             running.thread.join(0.05)
-        running.worker._heartbeat(force=True)
+        running.worker.upkeep.heartbeat(force=True)
         report = fleet_status(r, keys)
         out = subprocess.run(
             [sys.executable, "-m", "tokenfleet", "status", "--json"],

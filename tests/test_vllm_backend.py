@@ -14,7 +14,7 @@ import pytest
 from conftest import RunningWorker, worker_process
 
 from tokenfleet import protocol
-from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig, WorkerConfig
+from tokenfleet.config import DynamicBatchingConfig, EngineConfig, KVCacheConfig, WorkerConfig
 from tokenfleet.errors import RequestFailed
 from tokenfleet.producer import Client
 from tokenfleet.protocol import GROUP, ErrorCode, Keys
@@ -58,7 +58,7 @@ def vllm_engine(tiny_model):
     from tokenfleet.engines.vllm.args import engine_args
 
     config = WorkerConfig(
-        model=tiny_model, dtype="float32", batching=batching(), kv=KVCacheConfig(num_blocks=64)
+        EngineConfig(model=tiny_model, dtype="float32"), batching(), KVCacheConfig(num_blocks=64)
     )
     return LLMEngine.from_engine_args(engine_args(config))
 
@@ -87,7 +87,7 @@ def offline(vllm_engine):
 def vllm_core(vllm_engine, tiny_model, mode="continuous", **kw):
     from tokenfleet.engines.vllm.core import VllmCore, model_facts
 
-    return VllmCore(vllm_engine, batching(mode, **kw), model_facts(tiny_model, vllm_engine), 4096)
+    return VllmCore(vllm_engine, batching(mode, **kw), model_facts(tiny_model, vllm_engine))
 
 
 def serving(vllm_engine, tiny_model, redis_url, prefix, mode="continuous", **kw) -> RunningWorker:
@@ -102,12 +102,10 @@ def replies(r, prefix, request_id):
 
 def assert_clean(events, token_ids):
     """Token events indexed 0.. without gap or repeat, exactly one terminal event, last."""
-    indices = [
-        i for e in events if e["type"] == "token" for i in range(e["index"], e["index"] + len(e["ids"]))
-    ]
+    indices = [i for e in events if e.type == "token" for i in range(e.index, e.index + len(e.ids))]
     assert indices == list(range(len(token_ids)))
-    assert [e["type"] for e in events][-1] in ("done", "error")
-    assert sum(e["type"] in ("done", "error") for e in events) == 1
+    assert [e.type for e in events][-1] in ("done", "error")
+    assert sum(e.type in ("done", "error") for e in events) == 1
 
 
 @pytest.mark.parametrize("mode", ["static", "dynamic", "continuous"])
@@ -197,7 +195,7 @@ def test_deadline_queued_and_running(vllm_engine, tiny_model, redis_url, prefix,
         time.sleep(0.2)
         assert not vllm_engine.has_unfinished_requests()
     events = replies(r, prefix, soon.id)
-    streamed = [t for e in events if e["type"] == "token" for t in e["ids"]]
+    streamed = [t for e in events if e.type == "token" for t in e.ids]
     assert 0 < len(streamed) < 400, "the deadline should have hit while it ran"
     assert_clean(events, streamed)
 

@@ -14,7 +14,7 @@ from tokenfleet import protocol
 from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.errors import RequestFailed
 from tokenfleet.producer import AsyncClient, Client
-from tokenfleet.protocol import GROUP, ErrorCode, Keys, smallest_bucket
+from tokenfleet.protocol import GROUP, DoneEvent, ErrorCode, Keys, TokenEvent, smallest_bucket
 
 WORDS = [
     "alpha",
@@ -43,10 +43,10 @@ def reply_events(r, prefix, request_id):
 
 
 def assert_one_terminal(events):
-    kinds = [e["type"] for e in events]
+    kinds = [e.type for e in events]
     assert kinds.count("done") + kinds.count("error") == 1 and kinds[-1] in ("done", "error"), kinds
-    tokens = [e for e in events if e["type"] == "token"]
-    assert [e["index"] for e in tokens] == list(range(len(tokens))), "gaps or duplicates in token indices"
+    tokens = [e for e in events if e.type == "token"]
+    assert [e.index for e in tokens] == list(range(len(tokens))), "gaps or duplicates in token indices"
 
 
 @pytest.mark.parametrize(
@@ -126,12 +126,12 @@ def test_stream_interval_sends_several_tokens_per_event_and_loses_none(
     for prompt, handle, res in zip(prompts, handles, results):
         assert res.token_ids == reference.greedy(reference.ids(prompt), 24, ignore_eos=True)
         events = reply_events(r, prefix, handle.id)
-        tokens = [e for e in events if e["type"] == "token"]
+        tokens = [e for e in events if e.type == "token"]
         # the first token goes at once (TTFT), the other 23 wait for the interval: the end sends them
-        assert [len(e["ids"]) for e in tokens] == [1, 23]
-        assert [e["index"] for e in tokens] == [0, 1]
-        assert "".join(e["text"] for e in tokens) == res.text
-        assert events[-1]["type"] == "done"
+        assert [len(e.ids) for e in tokens] == [1, 23]
+        assert [e.index for e in tokens] == [0, 1]
+        assert "".join(e.text for e in tokens) == res.text
+        assert events[-1].type == "done"
 
 
 def test_prompt_without_tokenizer_goes_through_auto_stream(run_worker, redis_url, prefix, r, reference):
@@ -238,11 +238,11 @@ def test_raw_redis_cli_producer_is_served(run_worker, redis_url, prefix, r, refe
         events = []
         for _ in range(100):
             events = reply_events(r, prefix, "cli-42")
-            if events and events[-1]["type"] == "done":
+            if events and events[-1].type == "done":
                 break
             threading.Event().wait(0.1)
     assert_one_terminal(events)
-    ids = [t for e in events if e["type"] == "token" for t in e["ids"]]
+    ids = [t for e in events if e.type == "token" for t in e.ids]
     assert ids == reference.greedy(reference.ids("Hello from the shell"), 5)
 
 
@@ -298,7 +298,9 @@ def round_trips_per_decode_step(
     """Run a worker whose Redis connections count their round trips while ``drive()`` submits
     and waits; returns round trips per decode step, the decode steps, and what ``drive``
     returned."""
-    from tokenfleet.config import WorkerConfig
+    import dataclasses
+
+    from tokenfleet.config import worker_config
     from tokenfleet.worker.loop import Worker
 
     counting, connection = counting_client(redis_url)
@@ -310,7 +312,10 @@ def round_trips_per_decode_step(
 
     from tokenfleet.core.scheduler import Scheduler
 
-    config = WorkerConfig(model="unused", redis_url=redis_url, prefix=prefix, **config_kw)
+    batching = config_kw.pop("batching")
+    config = dataclasses.replace(
+        worker_config(redis_url=redis_url, prefix=prefix, **config_kw), batching=batching
+    )
     worker = Worker(config, core=Scheduler(engine, config.batching), client=counting, on_batch=on_batch)
     worker.setup()
     worker.setup_done = True
@@ -346,12 +351,9 @@ def test_a_decode_step_costs_one_redis_round_trip(engine, redis_url, prefix, mod
     assert per_step <= 1.2, f"{per_step:.2f} round trips per decode step"
 
 
-def test_steps_with_nothing_to_send_share_a_round_trip(engine, redis_url, prefix, model_path, monkeypatch):
+def test_steps_with_nothing_to_send_share_a_round_trip(engine, redis_url, prefix, model_path):
     """Under a stream interval most steps send nothing: the round trip that would only read new
-    work and cancels then goes every EXCHANGE_EVERY_S, not after every step; cancels still act."""
-    from tokenfleet.worker import loop
-
-    monkeypatch.setattr(loop, "EXCHANGE_EVERY_S", 0.05)
+    work and cancels then goes every exchange_interval_ms, not after every step; cancels still act."""
     batching = DynamicBatchingConfig(
         max_wait_ms=50, max_batch_size=8, max_seq_len=256, buckets=(64,), mode="continuous"
     )
@@ -365,7 +367,11 @@ def test_steps_with_nothing_to_send_share_a_round_trip(engine, redis_url, prefix
         return [h.result(timeout=120) for h in handles], doomed.result(timeout=120)
 
     per_step, steps, (results, cancelled) = round_trips_per_decode_step(
-        redis_url, prefix, engine, {"batching": batching, "stream_interval_ms": 10_000}, drive
+        redis_url,
+        prefix,
+        engine,
+        {"batching": batching, "stream_interval_ms": 10_000, "exchange_interval_ms": 50},
+        drive,
     )
     assert all(len(res.token_ids) == 40 for res in results)
     assert cancelled.finish_reason == "cancelled" and len(cancelled.token_ids) < 150
@@ -379,17 +385,17 @@ def test_replies_queued_during_a_lost_round_trip_go_after_the_ones_it_carried(re
     its events are put back in front, so a request's events still land in index order."""
     import redis
 
-    from tokenfleet.worker.streams import Outbox
+    from tokenfleet.transport.outbox import Outbox
 
     outbox = Outbox(redis.Redis.from_url(redis_url), Keys(prefix))
-    outbox.event("req", protocol.token_event(0, [5], "a"), 60)
+    outbox.event("req", TokenEvent(0, [5], "a"), 60)
     lost = r.pipeline(transaction=False)
     assert outbox.queue_into(lost) > 0  # never executed: the connection "dropped"
-    outbox.event("req", protocol.token_event(1, [6], "b"))
+    outbox.event("req", TokenEvent(1, [6], "b"))
     assert len(outbox) == 3  # two in flight (event + expiry), one queued behind
     outbox.restore()
     assert outbox.flush() == []
-    assert [e["index"] for e in reply_events(r, prefix, "req")] == [0, 1]
+    assert [e.index for e in reply_events(r, prefix, "req")] == [0, 1]
     assert r.ttl(Keys(prefix).reply_stream("req")) > 0
 
 
@@ -443,8 +449,8 @@ def test_one_script_call_publishes_a_step_and_survives_a_lost_script_and_a_resen
     step twice (a retry after a lost reply) stores each event once and reports nothing."""
     import redis
 
-    from tokenfleet.embedded import EmbeddedRedis
-    from tokenfleet.worker.streams import Outbox
+    from tokenfleet.transport.embedded import EmbeddedRedis
+    from tokenfleet.transport.outbox import Outbox
 
     keys = Keys(prefix)
     with EmbeddedRedis(data_dir=str(tmp_path)) as server:
@@ -455,8 +461,8 @@ def test_one_script_call_publishes_a_step_and_survives_a_lost_script_and_a_resen
         outbox = Outbox(r, keys)
 
         def queue_step():
-            outbox.event("req", protocol.token_event(0, [5], "a"), 60)
-            outbox.event("req", protocol.done_event("length", 1, 1, {}, 1), 60)
+            outbox.event("req", TokenEvent(0, [5], "a"), 60)
+            outbox.event("req", DoneEvent("length", 1, 1, {}, 1), 60)
             outbox.ack(keys.request_stream(16), entry_id)
 
         queue_step()
@@ -466,6 +472,6 @@ def test_one_script_call_publishes_a_step_and_survives_a_lost_script_and_a_resen
         assert outbox.sent(pipe.execute(raise_on_error=False)) == []
         queue_step()
         assert outbox.flush() == []  # the copies are refused at their ids, and not reported
-        assert [e["type"] for e in reply_events(r, prefix, "req")] == ["token", "done"]
+        assert [e.type for e in reply_events(r, prefix, "req")] == ["token", "done"]
         assert 0 < r.ttl(keys.reply_stream("req")) <= 60
         assert r.xpending(keys.request_stream(16), GROUP)["pending"] == 0

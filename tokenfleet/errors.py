@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenfleet.protocol.refusal import Refusal
+
 
 class TokenfleetError(Exception):
     """Base class of every tokenfleet exception."""
 
 
 class ProtocolError(TokenfleetError):
-    """A message that breaks the wire contract.
+    """Data read from Redis that breaks the wire contract: a request that does not decode or
+    validate, or a reply event that is not one.
 
-    ``code`` is one of the stable error codes in :mod:`tokenfleet.protocol` (``ErrorCode``);
-    ``dead_letter`` is true when the entry cannot be answered at all (no usable request id, an
-    undecodable body, an unknown protocol version) and belongs on the dead-letter stream.
+    ``code`` is a stable :class:`~tokenfleet.protocol.ErrorCode`; ``request_id`` the id to answer
+    when one could be read; ``dead_letter`` when the entry cannot be answered at all (no usable
+    id, an unknown protocol version) and belongs on the dead-letter stream.
     """
 
     def __init__(self, code: str, message: str, *, request_id: str | None = None, dead_letter: bool = False):
@@ -21,6 +27,13 @@ class ProtocolError(TokenfleetError):
         self.message = message
         self.request_id = request_id
         self.dead_letter = dead_letter
+
+    @property
+    def refusal(self) -> Refusal:
+        """This error as the worker answers it."""
+        from tokenfleet.protocol.refusal import Refusal  # protocol imports this module
+
+        return Refusal(self.code, self.message, self.dead_letter)
 
 
 class RequestFailed(TokenfleetError):

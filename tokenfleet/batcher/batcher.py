@@ -101,7 +101,7 @@ class Batcher:
         """Drop and return the pending requests that match (cancelled, expired)."""
         removed: list[PendingRequest] = []
         for bucket, queue in self._queues.items():
-            keep = deque()
+            keep: deque[PendingRequest] = deque()
             for item in queue:
                 (removed if predicate(item) else keep).append(item)
             self._queues[bucket] = keep

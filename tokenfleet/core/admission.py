@@ -12,15 +12,7 @@ from dataclasses import dataclass
 
 from tokenfleet.batcher import Batcher, PendingRequest
 from tokenfleet.core.sequence import SeqState
-from tokenfleet.protocol import ErrorCode, Request, smallest_bucket
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why a request can never run here; ``code`` is a stable protocol error code."""
-
-    code: str
-    message: str
+from tokenfleet.protocol import ErrorCode, Refusal, Request, smallest_bucket
 
 
 @dataclass(frozen=True)

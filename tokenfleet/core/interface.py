@@ -14,8 +14,9 @@ from collections.abc import Collection, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tokenfleet.core.admission import Admission, Refusal
+from tokenfleet.core.admission import Admission
 from tokenfleet.core.sequence import SeqState
+from tokenfleet.protocol import Refusal
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,15 @@ class BatchEvent:
     forwards: int = 1
     padding_waste: float = 0.0  # prefill: padding tokens / prompt tokens
     prompt_tokens: int = 0  # prefill: the prompts' own tokens (what max_prefill_tokens bounds)
+
+    def describe(self) -> str:
+        """What the pass computed, for the log line of each prefill."""
+        if self.kind != "prefill":
+            return self.kind
+        return (
+            f"prefill, {self.computed_tokens} tokens in {self.forwards} forward(s), "
+            f"padding waste {self.padding_waste:.2f}"
+        )
 
 
 @dataclass
@@ -157,3 +167,48 @@ class EngineCore(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class Runner(Protocol):
+    """What the scheduler needs of a model runner (:class:`tokenfleet.engines.native.runner.ModelRunner`)."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    last_prefill_tokens: int
+    last_prefill_forwards: int
+
+    def facts(self) -> ModelFacts: ...
+
+    def prefill(self, tables: list[list[int]], token_lists: list[list[int]]) -> Any: ...
+
+    def decode(self, tables: list[list[int]], lengths: list[int], last_tokens: list[int]) -> Any: ...
+
+    def choose_tokens(self, logits: Any, seqs: list[SeqState]) -> list[int | None]: ...
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """What the paged pool holds now, next to what a contiguous cache would have reserved."""
+
+    blocks_total: int
+    blocks_used: int
+    block_size: int
+    tokens_stored: int
+    bytes_per_block: int
+
+    @property
+    def blocks_free(self) -> int:
+        return self.blocks_total - self.blocks_used
+
+    @property
+    def slots_allocated(self) -> int:
+        return self.blocks_used * self.block_size
+
+    @property
+    def bytes_used(self) -> int:
+        return self.blocks_used * self.bytes_per_block
+
+    def contiguous_bytes(self, batch_size: int, max_seq_len: int) -> int:
+        """Bytes a cache preallocated for ``batch_size × max_seq_len`` tokens would take."""
+        return batch_size * max_seq_len * self.bytes_per_block // self.block_size

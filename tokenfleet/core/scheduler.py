@@ -14,63 +14,16 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Hashable
-from dataclasses import dataclass
-from typing import Any, Protocol
 
 from tokenfleet.batcher import Batcher, PendingRequest
 from tokenfleet.config import DynamicBatchingConfig
-from tokenfleet.core.admission import Admission, Limits, Refusal
-from tokenfleet.core.interface import BatchEvent, Capacity, ModelFacts, StepOutput, TokenOutput
+from tokenfleet.core.admission import Admission, Limits
+from tokenfleet.core.interface import BatchEvent, Capacity, MemoryStats, Runner, StepOutput, TokenOutput
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.kvcache.allocator import BlockAllocator
-from tokenfleet.protocol import MAX_NEW_TOKENS_CAP
+from tokenfleet.protocol import Refusal
 
 log = logging.getLogger(__name__)
-
-
-class Runner(Protocol):
-    """What the scheduler needs of a model runner (:class:`tokenfleet.engines.native.runner.ModelRunner`)."""
-
-    num_blocks: int
-    block_size: int
-    bytes_per_block: int
-    last_prefill_tokens: int
-    last_prefill_forwards: int
-
-    def facts(self) -> ModelFacts: ...
-
-    def prefill(self, tables: list[list[int]], token_lists: list[list[int]]) -> Any: ...
-
-    def decode(self, tables: list[list[int]], lengths: list[int], last_tokens: list[int]) -> Any: ...
-
-    def choose_tokens(self, logits: Any, seqs: list[SeqState]) -> list[int | None]: ...
-
-
-@dataclass(frozen=True)
-class MemoryStats:
-    """What the paged pool holds now, next to what a contiguous cache would have reserved."""
-
-    blocks_total: int
-    blocks_used: int
-    block_size: int
-    tokens_stored: int
-    bytes_per_block: int
-
-    @property
-    def blocks_free(self) -> int:
-        return self.blocks_total - self.blocks_used
-
-    @property
-    def slots_allocated(self) -> int:
-        return self.blocks_used * self.block_size
-
-    @property
-    def bytes_used(self) -> int:
-        return self.blocks_used * self.bytes_per_block
-
-    def contiguous_bytes(self, batch_size: int, max_seq_len: int) -> int:
-        """Bytes a cache preallocated for ``batch_size × max_seq_len`` tokens would take."""
-        return batch_size * max_seq_len * self.bytes_per_block // self.block_size
 
 
 class Scheduler:
@@ -84,7 +37,6 @@ class Scheduler:
         batching: DynamicBatchingConfig,
         clock: Callable[[], float] = time.monotonic,
         on_batch: Callable[[BatchEvent], None] | None = None,
-        max_new_tokens_cap: int = MAX_NEW_TOKENS_CAP,
     ):
         self.runner = runner
         self.config = batching
@@ -95,7 +47,7 @@ class Scheduler:
             Limits(
                 buckets=batching.buckets,
                 max_seq_len=batching.max_seq_len,
-                max_new_tokens_cap=max_new_tokens_cap,
+                max_new_tokens_cap=batching.max_new_tokens_cap,
                 vocab_size=self.facts.vocab_size,
                 max_token_chars=self.facts.max_token_chars,
                 kv_tokens_per_seq=runner.num_blocks * runner.block_size,

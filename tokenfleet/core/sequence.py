@@ -18,15 +18,15 @@ class Detokenizer:
         self.ids: list[int] = []
         self._prefix = 0  # start of the window decoded for context
         self._read = 0  # ids up to here have produced their text
-        # A fast tokenizer without clean-up decodes exactly as its Rust backend does; calling that
-        # directly skips ~10 us of Python per call, two calls per token of every sequence.
+        # a fast tokenizer without clean-up decodes exactly as its Rust backend does: call that
+        # directly, skipping transformers' Python twice per token of every sequence
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend = None if getattr(tokenizer, "clean_up_tokenization_spaces", False) else backend
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=True)
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+            return str(self._backend.decode(ids, skip_special_tokens=True))
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)

@@ -40,8 +40,13 @@ def choose_backend(engine: str, device: str) -> tuple[str, str]:
 def build_core(config: WorkerConfig) -> EngineCore:
     """The engine core a worker with ``config`` runs: its backend chosen, loaded and warmed up
     (compiled, where asked) before the worker announces itself."""
-    backend, why = choose_backend(config.engine, config.device)
+    engine = config.engine
+    backend, why = choose_backend(engine.backend, engine.device)
     log.info("engine backend: %s (%s)", backend, why)
+    if engine.threads:
+        import torch
+
+        torch.set_num_threads(engine.threads)
     if backend == "vllm":
         from tokenfleet.engines.vllm.core import VllmCore
 
@@ -49,14 +54,19 @@ def build_core(config: WorkerConfig) -> EngineCore:
     from tokenfleet.core.scheduler import Scheduler
     from tokenfleet.engines.native.runner import ModelRunner
 
+    if engine.model is None:
+        raise ValueError("no model: the engine needs a model directory")
     runner = ModelRunner(
-        config.model,
-        config.device,
-        config.dtype,
+        engine.model,
+        engine.device,
+        engine.dtype,
         config.kv,
-        compile=config.compile,
+        compile=engine.compile,
         max_batch_size=config.batching.max_batch_size,
+        bf16_linear=engine.bf16_linear,
+        onednn_linear=engine.onednn_linear,
+        paged_kernel=engine.paged_kernel,
     )
-    if config.compile:  # before the worker announces itself: no request waits on a compile
+    if engine.compile:  # before the worker announces itself: no request waits on a compile
         log.info("compiled decode ready after %.0f s", runner.warm_up())
-    return Scheduler(runner, config.batching, max_new_tokens_cap=config.max_new_tokens_cap)
+    return Scheduler(runner, config.batching)

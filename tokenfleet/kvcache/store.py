@@ -29,8 +29,8 @@ def advise_huge_pages(tensor: torch.Tensor) -> int:
     """Ask Linux to back a CPU tensor with 2 MiB pages (transparent huge pages, which hosts often
     enable in ``madvise`` mode only); call it before the memory is first written. The decode
     kernel reads each sequence's blocks from anywhere in the pool, and with 4 KiB pages many of
-    those reads begin with a TLB miss: on a Zen 4 EPYC one decode layer's attention took 7% less
-    time on huge pages. Best effort; returns the bytes advised (0 off Linux, or when refused)."""
+    those reads begin with a TLB miss. Best effort; returns the bytes advised (0 off Linux, or
+    when refused)."""
     libc = _libc() if sys.platform.startswith("linux") and tensor.device.type == "cpu" else None
     if libc is None:
         return 0

@@ -12,11 +12,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tokenfleet import protocol
 from tokenfleet.config import redis_url_from_env
-from tokenfleet.connection import connect_async_client
-from tokenfleet.producer.base import ClientBase
-from tokenfleet.producer.client import CANCEL_TTL_S, CANCELS_MAXLEN, RECONNECT_GIVE_UP_S
+from tokenfleet.producer.base import RECONNECT_GIVE_UP_S, ClientBase, reply_events
 from tokenfleet.producer.replies import ReplyReader
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
 from tokenfleet.producer.routing import (
@@ -26,7 +23,8 @@ from tokenfleet.producer.routing import (
     result_timeout,
     target_stream,
 )
-from tokenfleet.protocol import TERMINAL_EVENTS
+from tokenfleet.protocol import ReplyEvent
+from tokenfleet.transport.connection import connect_async_client
 
 
 class AsyncClient(ClientBase):
@@ -74,7 +72,7 @@ class AsyncClient(ClientBase):
         """Enqueue a chat (see :meth:`Client.chat`)."""
         return await self.submit(request_id=request_id, messages=messages, **params)
 
-    async def events(self, request_id: str, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def events(self, request_id: str, timeout: float | None = None) -> AsyncIterator[ReplyEvent]:
         """The request's reply events in order, until its terminal one; raises
         :class:`~tokenfleet.errors.ResultTimeout` when ``timeout`` seconds pass first."""
         key = self.keys.reply_stream(request_id)
@@ -100,10 +98,9 @@ class AsyncClient(ClientBase):
                 entries = await inbox.get()
                 if isinstance(entries, BaseException):
                     raise entries
-                for _, fields in entries:
-                    event = protocol.decode_event(fields)
+                for _, event in reply_events(entries):
                     yield event
-                    if event["type"] in TERMINAL_EVENTS:
+                    if event.terminal:
                         return
         finally:
             if expiry is not None:
@@ -112,7 +109,7 @@ class AsyncClient(ClientBase):
 
     async def _events_one_read_each(
         self, request_id: str, timeout: float | None
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[ReplyEvent]:
         key = self.keys.reply_stream(request_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         last = "0"
@@ -131,12 +128,11 @@ class AsyncClient(ClientBase):
                 continue
             outage_since = None
             for _, items in resp or []:
-                for entry_id, fields in items:
-                    last = entry_id
-                    event = protocol.decode_event(fields)
+                for _, event in reply_events(items):
                     yield event
-                    if event["type"] in TERMINAL_EVENTS:
+                    if event.terminal:
                         return
+                last = items[-1][0] if items else last
 
     async def stream(self, request_id: str, timeout: float | None = None) -> AsyncIterator[Chunk]:
         builder = ResultBuilder(request_id)
@@ -156,10 +152,7 @@ class AsyncClient(ClientBase):
         when steps are shorter) and ends with ``done`` / finish reason ``cancelled``. Harmless on
         a finished request."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.cancel(request_id), 1, ex=CANCEL_TTL_S)  # for a worker that takes it later
-        pipe.xadd(
-            self.keys.cancels, {"id": request_id}, maxlen=CANCELS_MAXLEN, approximate=True
-        )  # running now
+        self._queue_cancel(pipe, request_id)
         await pipe.execute()
 
     async def close(self) -> None:
@@ -182,7 +175,7 @@ class AsyncHandle:
     def stream(self, timeout: float | None = None) -> AsyncIterator[Chunk]:
         return self.client.stream(self.id, timeout)
 
-    def events(self, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
+    def events(self, timeout: float | None = None) -> AsyncIterator[ReplyEvent]:
         return self.client.events(self.id, timeout)
 
     async def result(self, timeout: float | None = None) -> Result:

@@ -4,14 +4,30 @@ building and validation, so that both behave the same."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from tokenfleet import protocol
 from tokenfleet.config import prefix_from_env
 from tokenfleet.producer.routing import build_request, load_tokenizer
-from tokenfleet.protocol import Keys, Request
+from tokenfleet.protocol import Keys, ReplyEvent, Request
+from tokenfleet.transport import scripts
 
 BUCKETS_TTL_S = 10.0
+RECONNECT_GIVE_UP_S = 60.0  # following a reply stream survives Redis outages this long
+CANCELS_MAXLEN = 100_000  # recent cancels kept on the stream
+CANCEL_TTL_S = 24 * 3600  # long enough for a queued request to be seen
+
+
+def reply_events(items: Iterable[tuple[Any, dict[bytes, bytes]]]) -> Iterator[tuple[Any, ReplyEvent]]:
+    """(entry id, event) for each reply entry, in order, up to and with the terminal event;
+    event types this release does not know are skipped (newer workers may add some)."""
+    for entry_id, fields in items:
+        event = protocol.decode_event(fields)
+        if event is not None:
+            yield entry_id, event
+            if event.terminal:
+                return
 
 
 class ClientBase:
@@ -20,7 +36,7 @@ class ClientBase:
         self.keys = Keys(prefix_from_env(prefix))
         self.tokenizer = load_tokenizer(model)
         self._fixed_buckets = list(buckets) if buckets else None
-        self._enqueue = self.redis.register_script(protocol.ENQUEUE_SCRIPT)
+        self._enqueue = self.redis.register_script(scripts.ENQUEUE)
         self._buckets: list[int] = []
         self._buckets_at = float("-inf")
 
@@ -45,3 +61,9 @@ class ClientBase:
         request = build_request(prompt, input_ids, self.tokenizer, request_id, params)
         protocol.validate_request(request.to_wire())
         return request
+
+    def _queue_cancel(self, pipe: Any, request_id: str) -> None:
+        """A cancel: the flag, for a worker that takes the request later, and the stream entry,
+        for one running it now."""
+        pipe.set(self.keys.cancel(request_id), 1, ex=CANCEL_TTL_S)
+        pipe.xadd(self.keys.cancels, {"id": request_id}, maxlen=CANCELS_MAXLEN, approximate=True)

@@ -10,10 +10,8 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tokenfleet import protocol
 from tokenfleet.config import redis_url_from_env
-from tokenfleet.connection import connect_client
-from tokenfleet.producer.base import ClientBase
+from tokenfleet.producer.base import RECONNECT_GIVE_UP_S, ClientBase, reply_events
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
 from tokenfleet.producer.routing import (
     enqueue_args,
@@ -21,11 +19,8 @@ from tokenfleet.producer.routing import (
     queue_full_error,
     target_stream,
 )
-from tokenfleet.protocol import TERMINAL_EVENTS
-
-RECONNECT_GIVE_UP_S = 60.0  # following a reply stream survives Redis outages this long
-CANCELS_MAXLEN = 100_000  # recent cancels kept on the stream
-CANCEL_TTL_S = 24 * 3600  # long enough for a queued request to be seen
+from tokenfleet.protocol import ReplyEvent
+from tokenfleet.transport.connection import connect_client
 
 
 class Client(ClientBase):
@@ -84,7 +79,7 @@ class Client(ClientBase):
         model's end-of-turn token ends it. Same ``params`` as :meth:`submit`."""
         return self.submit(request_id=request_id, messages=messages, **params)
 
-    def events(self, request_id: str, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+    def events(self, request_id: str, timeout: float | None = None) -> Iterator[ReplyEvent]:
         """Every reply event of a request from the first, live, until the terminal one. Works for
         requests submitted elsewhere, earlier (until their reply TTL expires)."""
         key = self.keys.reply_stream(request_id)
@@ -105,12 +100,11 @@ class Client(ClientBase):
                 continue
             outage_since = None
             for _, items in resp or []:
-                for entry_id, fields in items:
-                    last = entry_id
-                    event = protocol.decode_event(fields)
+                for _, event in reply_events(items):
                     yield event
-                    if event["type"] in TERMINAL_EVENTS:
+                    if event.terminal:
                         return
+                last = items[-1][0] if items else last
 
     def stream(self, request_id: str, timeout: float | None = None) -> Iterator[Chunk]:
         """Token chunks as they arrive; raises :class:`RequestFailed` on an ``error`` event."""
@@ -132,10 +126,7 @@ class Client(ClientBase):
         when steps are shorter) and ends with ``done`` / finish reason ``cancelled``. Harmless on
         a finished request."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.cancel(request_id), 1, ex=CANCEL_TTL_S)  # for a worker that takes it later
-        pipe.xadd(
-            self.keys.cancels, {"id": request_id}, maxlen=CANCELS_MAXLEN, approximate=True
-        )  # running now
+        self._queue_cancel(pipe, request_id)
         pipe.execute()
 
     def close(self) -> None:
@@ -164,7 +155,7 @@ class Handle:
     def stream(self, timeout: float | None = None) -> Iterator[Chunk]:
         return self.client.stream(self.id, timeout)
 
-    def events(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+    def events(self, timeout: float | None = None) -> Iterator[ReplyEvent]:
         return self.client.events(self.id, timeout)
 
     def result(self, timeout: float | None = None) -> Result:

@@ -1,44 +1,16 @@
-"""What a producer can learn of the fleet and of a request from Redis alone: which workers are
-alive and which buckets they serve, and whether a request id names anything at all."""
+"""Whether a request id names anything at all, from Redis alone (the fleet itself is in
+:mod:`tokenfleet.transport.registry`)."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import redis
 
 from tokenfleet import protocol
-from tokenfleet.protocol import AUTO_BUCKET, Keys
+from tokenfleet.protocol import Keys
 
-STALE_AFTER_S = 10.0  # a worker silent this long is not alive (heartbeats come every 2 s)
 SCAN_LIMIT = 10_000  # request stream entries looked through for an id (queued, not yet taken)
-
-
-def heartbeats(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
-    """Every worker's last heartbeat, with ``name``, ``alive`` and ``seen_s_ago``."""
-    now = time.time()
-    beats = []
-    for name, raw in sorted(client.hgetall(keys.workers).items()):
-        try:
-            beat = protocol.unpack(raw)
-        except ValueError:
-            continue
-        if not isinstance(beat, dict):
-            continue
-        age = now - float(beat.get("seen", 0))
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        beats.append({"name": name, "alive": age < STALE_AFTER_S, "seen_s_ago": round(age, 1), **beat})
-    return beats
-
-
-def serving_workers(client: redis.Redis, keys: Keys, bucket: int | str | None = None) -> list[str]:
-    """Live workers that serve ``bucket`` (any live worker takes ``auto`` or ``None``)."""
-    return [
-        beat["name"]
-        for beat in heartbeats(client, keys)
-        if beat["alive"] and (bucket in (None, AUTO_BUCKET) or int(bucket) in beat.get("buckets", []))
-    ]
 
 
 def request_exists(client: redis.Redis, keys: Keys, request_id: str) -> bool:
@@ -48,7 +20,8 @@ def request_exists(client: redis.Redis, keys: Keys, request_id: str) -> bool:
         return True
     wanted = request_id.encode()
     for stream in client.scan_iter(match=keys.request_stream("*"), count=100):
-        for _, fields in client.xrevrange(stream, count=SCAN_LIMIT):
+        entries: Any = client.xrevrange(stream, count=SCAN_LIMIT)
+        for _, fields in entries:
             if fields.get(b"id") == wanted:
                 return True
             body = fields.get(protocol.BODY_FIELD)

@@ -64,17 +64,18 @@ class Inbox:
 class ReplyReader:
     """Reads the reply streams being followed and hands each its entries, in order."""
 
-    def __init__(self, redis: Any, keys: Keys, give_up_s: float):
+    def __init__(self, redis: Any, keys: Keys, give_up_s: float, read_block_ms: int = READ_BLOCK_MS):
         self.redis = redis
         self.wake_key = keys.client_wake(uuid.uuid4().hex)
         self.give_up_s = give_up_s  # without a connection this long, followers get the error
+        self.read_block_ms = read_block_ms  # longest wait of one read (a wake-up ends it sooner)
         # reply stream (as Redis returns its name: bytes) -> last id handed over, and its follower
         self._positions: dict[bytes, str | bytes] = {}
         self._inboxes: dict[bytes, Inbox] = {}
         self._wake_name = self.wake_key.encode()
         self._wake_id: str | bytes = "0"
         self._wake_sent = False  # a wake-up is on its way to the read in flight
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     async def follow(self, stream: str, after: str = "0") -> Inbox:
         """Start following ``stream`` past entry ``after``; entries arrive in the returned inbox
@@ -126,7 +127,7 @@ class ReplyReader:
         while self._positions:
             streams = {**self._positions, self._wake_name: self._wake_id}
             try:
-                reply = await self.redis.xread(streams, block=READ_BLOCK_MS)
+                reply = await self.redis.xread(streams, block=self.read_block_ms)
             except (RedisConnectionError, RedisTimeoutError) as e:
                 self._wake_sent = False
                 outage_since = outage_since or time.monotonic()

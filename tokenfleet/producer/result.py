@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from tokenfleet.errors import RequestFailed
-from tokenfleet.protocol import EventType
+from tokenfleet.protocol import ErrorEvent, ReplyEvent, TokenEvent
 
 
 @dataclass(frozen=True)
@@ -47,29 +46,22 @@ class ResultBuilder:
         self._texts: list[str] = []
         self.finished = False
 
-    def add(self, event: dict[str, Any]) -> Chunk | None:
+    def add(self, event: ReplyEvent) -> Chunk | None:
         """Fold one event; returns the chunk to show for a token event. Raises
         :class:`RequestFailed` on an ``error`` event."""
-        kind = event.get("type")
-        if kind == EventType.TOKEN:
-            index, ids = int(event["index"]), list(event["ids"])
+        if isinstance(event, TokenEvent):
             have = len(self.result.token_ids)
-            if index + len(ids) <= have:
+            if event.index + len(event.ids) <= have:
                 return None
-            ids = ids[have - index :] if index < have else ids
+            ids = event.ids[have - event.index :] if event.index < have else event.ids
             self.result.token_ids.extend(ids)
-            self._texts.append(event.get("text", ""))
-            return Chunk(index=max(index, have), token_ids=ids, text=event.get("text", ""))
-        if kind == EventType.DONE:
-            self.finished = True
-            self.result.text = "".join(self._texts)
-            self.result.finish_reason = event.get("finish_reason")
-            self.result.usage = event.get("usage", {})
-            self.result.timings = event.get("timings", {})
-            self.result.batch_size = event.get("batch_size")
-            self.result.worker = event.get("worker")
-            return None
-        if kind == EventType.ERROR:
-            self.finished = True
-            raise RequestFailed(self.result.id, event.get("code", "unknown"), event.get("message", ""))
-        return None  # unknown event types are for newer clients: skip
+            self._texts.append(event.text)
+            return Chunk(index=max(event.index, have), token_ids=ids, text=event.text)
+        self.finished = True
+        if isinstance(event, ErrorEvent):
+            raise RequestFailed(self.result.id, event.code, event.message)
+        r = self.result
+        r.text = "".join(self._texts)
+        r.finish_reason, r.usage, r.timings = event.finish_reason, event.usage, event.timings
+        r.batch_size, r.worker = event.batch_size, event.worker
+        return None

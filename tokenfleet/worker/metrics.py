@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from tokenfleet.core.interface import BatchEvent
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 WASTE_BUCKETS = (0, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8)
@@ -68,6 +70,14 @@ class WorkerMetrics:
         self.waiting = gauge("tokenfleet_requests_waiting", "Read, not started.")
         self.running = gauge("tokenfleet_requests_running", "Running sequences.")
         self._labels = labels
+
+    def observe_batch(self, event: BatchEvent) -> None:
+        """A forward pass the core ran: its batch size, and a prefill's padding waste."""
+        if event.kind == "decode":
+            self.decode_batch.observe(event.size)
+        elif event.kind == "prefill":
+            self.prefill_batch.observe(event.size)
+            self.padding_waste.observe(event.padding_waste)
 
     def finished(self, reason: str) -> None:
         self._finished.labels(reason=reason, **self._labels).inc()

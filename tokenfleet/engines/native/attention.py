@@ -68,6 +68,7 @@ def paged_attention_op(
     v_cache[write_blocks, write_offsets] = value.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim)
     gqa = kv_heads != query.shape[1]
     if block_tables is None:  # prefill, packed: the step's own keys, one row per prompt
+        assert mask is not None, "a packed prefill without the kernel attends under its mask"
         return packed_prefill_attention(query, key, value, mask, scale, gqa)
     keys, values = PagedKVStore.gather(k_cache, v_cache, block_tables)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
@@ -151,7 +152,7 @@ def paged_attention(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     meta = tokenfleet_step
-    layer = module.layer_idx
+    layer: int = getattr(module, "layer_idx")  # noqa: B009 (transformers sets it on its attention modules)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     cache = (meta.store.k[layer], meta.store.v[layer])
     step = (query, key, value, *cache, meta.write_blocks, meta.write_offsets)

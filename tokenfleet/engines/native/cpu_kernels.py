@@ -6,8 +6,8 @@ Loading them registers the operators ``torch.ops.tokenfleet.paged_decode`` and
 shape-only implementations here so that ``torch.compile`` can trace them. They are
 compiled for this machine's CPU with the C++ compiler PyTorch finds (``torch.utils.cpp_extension``),
 cached under ``~/.cache/tokenfleet/kernels/<cpu>``, and loaded once per process. When it cannot
-be built (no compiler, no ``ninja``) or ``TOKENFLEET_PAGED_KERNEL=0``, callers get ``None`` and
-fall back to gathering the blocks and calling SDPA: slower, same results.
+be built (no compiler, no ``ninja``) or ``--no-paged-kernel`` turns it off, callers get ``None``
+and fall back to gathering the blocks and calling SDPA: slower, same results.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from tokenfleet.config.loading import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +61,17 @@ def _cpu_tag() -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def paged_attention_kernels() -> Any:
-    """The compiled extension module, or ``None`` when it is disabled or cannot be built."""
+def paged_attention_kernels(enabled: bool = True) -> Any:
+    """The compiled extension module, or ``None`` when not ``enabled`` or it cannot be built."""
     global _module, _tried
+    if not enabled:
+        return None
     if _tried:
         return _module
     with _lock:
         if _tried:
             return _module
         _tried = True
-        if os.environ.get("TOKENFLEET_PAGED_KERNEL", "1") == "0":
-            return None
         try:
             from torch.utils.cpp_extension import load
 
@@ -94,8 +96,7 @@ def kernels_built(build_dir: Path | None = None) -> bool:
 
 def build_directory() -> Path:
     """Where this machine's build of these sources lives (made if missing)."""
-    build_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    build_dir = build_dir / "tokenfleet" / "kernels" / _cpu_tag()
+    build_dir = cache_dir() / "kernels" / _cpu_tag()
     build_dir.mkdir(parents=True, exist_ok=True)
     return build_dir
 

@@ -1,30 +1,17 @@
-"""Linears on the CPU through oneDNN, on float32 weights reordered once at load.
+"""Linears on the CPU: which GEMM computes them, chosen at load.
 
-``F.linear`` in float32 runs MKL's GEMM, and so does a compiled graph (inductor's freezing packs
-float32 weights for MKL at a static batch). At decode shapes oneDNN on a prepacked weight was the
-faster of the two: on an AVX2 EPYC, 116-142 GFLOP/s against MKL's 66-118 at 32 rows, and a
-batch-32 decode step of a 113M model took 116 ms against 163. vLLM-CPU's linears take the same
-route. The reordered weight replaces the original (no second copy), so only linears whose weight
-nothing else shares are swapped. ``TOKENFLEET_ONEDNN_LINEAR=0`` keeps ``F.linear``.
+Three routes, named as ``--bf16-linear`` names them:
 
-bf16 linears take the float32 GEMM too where this CPU runs it faster than its bf16 one (on an
-AVX512-BF16 Xeon without AMX, oneDNN's bf16 GEMM ran at ~0.6x of float32's). The arithmetic is
-that of a bf16 GEMM: bf16 inputs widen to float32 exactly, the product of two bf16 numbers is
-exact in float32, the sums are float32 (as a bf16 GEMM accumulates) and the output is rounded
-to bf16. The cost is memory: the weight is held in float32, twice its bf16 size.
+- ``float32``: :class:`PackedLinear`, oneDNN on a weight reordered once at load (no second copy).
+  Always for float32 models (faster than ``F.linear``'s MKL GEMM at decode shapes); for bf16 ones
+  where this CPU's float32 GEMM outruns its bf16 one. The arithmetic is a bf16 GEMM's (bf16 inputs
+  widen exactly, float32 sums, output rounded to bf16); the weight is held in float32.
+- ``kernel``: :class:`KernelLinear`, tokenfleet's bf16 GEMM (``csrc/linear_bf16_cpu.cpp``) on a
+  weight packed at load: VDPBF16PS with AVX512-BF16, float32 FMAs on widened weights otherwise.
+- ``native``: the model's own linears, left as they are.
 
-On CPUs with AVX-512, bf16 linears can take tokenfleet's own kernel (``csrc/linear_bf16_cpu.cpp``),
-on a weight packed once at load in place of the original. With AVX512-BF16 it runs VDPBF16PS: on a
-Zen 4 EPYC ~1.2x oneDNN's bf16 GEMM at 32 rows and level or a few percent ahead at 2048. Without it
-(Skylake to Ice Lake Xeons, or a VM that hides the bf16 instructions) it widens the bf16 weight in
-registers and runs float32 FMAs: on such a host 1.2-2.7x oneDNN's float32 GEMM at 1-32 rows
-(decode reads half the bytes) and 0.8-1.0x at 512-2048, where oneDNN's emulated bf16 GEMM ran at a
-tenth of float32's. ``auto`` measures the three on this CPU and takes the kernel where it is the
-fastest at decode rows and no slower at prefill rows (on AMX CPUs oneDNN's tile kernels win); against
-the float32 route, which holds every weight at twice its bytes, it accepts a prefill up to a fifth
-slower (on the host above, a compiled 113M model served 1.05x the float32 route's tokens/s with
-its prefill ~10% slower).
-``TOKENFLEET_BF16_LINEAR`` = ``auto`` (measure, the default), ``kernel``, ``float32`` or ``native``.
+``auto`` times the routes at start-up and takes the kernel where it is fastest at decode rows and
+not much slower at prefill rows. docs/PERFORMANCE.md has the measurements behind these rules.
 """
 
 from __future__ import annotations
@@ -113,8 +100,7 @@ def bf16_linear_speeds(size: int = 1024, weights: int = 12, rounds: int = 5) -> 
     ``native`` (oneDNN bf16, prepacked) and ``float32`` (oneDNN float32, prepacked); at 32 rows
     through ``weights`` weights in turn (24 MB: from memory, as a decode step reads them), and at
     512 rows through one. The routes take turns within each round, so a shared host's drift hits
-    them all (one route's rounds after another's picked the slower route on a 2-vCPU EPYC whose
-    speed moved by half within a minute). ~0.3 s; ~1 s where the library emulates bf16 matmuls."""
+    them all. ~0.3 s; ~1 s where the library emulates bf16 matmuls."""
     from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
 
     paged_attention_kernels()  # registers tokenfleet::linear_bf16
@@ -152,19 +138,16 @@ def native_bf16_linear(weight: torch.Tensor):
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def bf16_kernel_wanted(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a bf16 model's linears take :class:`KernelLinear`: ``kernel`` asks for it (where it
-    is built), ``auto`` measures it against oneDNN's bf16 and float32 GEMMs."""
+def bf16_kernel_wanted(device: torch.device, dtype: torch.dtype, route: str = "auto") -> bool:
+    """Whether a bf16 model's linears take :class:`KernelLinear`: ``route`` ``kernel`` asks for
+    it (where it is built), ``auto`` measures it against oneDNN's bf16 and float32 GEMMs."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return False
-    route = bf16_linear_route()
     if route not in ("auto", "kernel"):
         return False
     if not bf16_kernel_available():
         if route == "kernel":
-            log.warning(
-                "TOKENFLEET_BF16_LINEAR=kernel, but this CPU lacks AVX-512 and AVX2: oneDNN GEMMs instead"
-            )
+            log.warning("--bf16-linear kernel, but this CPU lacks AVX-512 and AVX2: oneDNN GEMMs instead")
         return False
     if route == "kernel":
         return True
@@ -178,7 +161,7 @@ def bf16_kernel_wanted(device: torch.device, dtype: torch.dtype) -> bool:
     wanted = decode_gain >= KERNEL_MIN_DECODE_GAIN and prefill_gain >= bar
     log.info(
         "bf16 linears: tokenfleet's kernel ran at %.2fx the fastest oneDNN GEMM at %d rows "
-        "and %.2fx at 512: %s (TOKENFLEET_BF16_LINEAR=kernel|native|float32 decides instead)",
+        "and %.2fx at 512: %s (--bf16-linear kernel|native|float32 decides instead)",
         decode_gain,
         DECODE_ROWS_HINT,
         prefill_gain,
@@ -187,20 +170,20 @@ def bf16_kernel_wanted(device: torch.device, dtype: torch.dtype) -> bool:
     return wanted
 
 
-def linear_route(device: torch.device, dtype: torch.dtype, model: nn.Module | None = None) -> str:
-    """The route a model's linears take on ``device`` in ``dtype``, named as
-    ``TOKENFLEET_BF16_LINEAR`` names them: ``kernel`` (:class:`KernelLinear`), ``float32``
-    (:class:`PackedLinear`, oneDNN float32 GEMMs) or ``native`` (left as they are)."""
-    if bf16_kernel_wanted(device, dtype):
+def linear_route(
+    device: torch.device,
+    dtype: torch.dtype,
+    model: nn.Module | None = None,
+    bf16_route: str = "auto",
+    onednn: bool = True,
+) -> str:
+    """The route a model's linears take on ``device`` in ``dtype``, named as ``--bf16-linear``
+    names them: ``kernel`` (:class:`KernelLinear`), ``float32`` (:class:`PackedLinear`, oneDNN
+    float32 GEMMs) or ``native`` (left as they are). ``bf16_route`` is what was asked for a bf16
+    model (``auto``: measured); ``onednn`` False keeps ``F.linear`` for float32."""
+    if bf16_kernel_wanted(device, dtype, bf16_route):
         return "kernel"
-    return "float32" if onednn_linears_wanted(device, dtype, model) else "native"
-
-
-def bf16_linear_route() -> str:
-    route = os.environ.get("TOKENFLEET_BF16_LINEAR", "auto")
-    if route not in BF16_ROUTES:
-        raise ValueError(f"TOKENFLEET_BF16_LINEAR={route!r}; use one of {', '.join(BF16_ROUTES)}")
-    return route
+    return "float32" if onednn_linears_wanted(device, dtype, model, bf16_route, onednn) else "native"
 
 
 def available_memory_bytes() -> int | None:
@@ -210,20 +193,21 @@ def available_memory_bytes() -> int | None:
         return None
 
 
-def onednn_linears_wanted(device: torch.device, dtype: torch.dtype, model: nn.Module | None = None) -> bool:
+def onednn_linears_wanted(
+    device: torch.device,
+    dtype: torch.dtype,
+    model: nn.Module | None = None,
+    route: str = "auto",
+    onednn: bool = True,
+) -> bool:
     """float32 always (on the CPU, with oneDNN); bf16 when float32 GEMMs are the faster here and
     (under ``auto``) the float32 copies of ``model``'s linear weights fit in half the free memory."""
-    if not (
-        device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and os.environ.get("TOKENFLEET_ONEDNN_LINEAR", "1") != "0"
-    ):
+    if not (onednn and device.type == "cpu" and torch.backends.mkldnn.is_available()):
         return False
     if dtype == torch.float32:
         return True
     if dtype != torch.bfloat16:
         return False
-    route = bf16_linear_route()
     if route != "auto":
         return route == "float32"
     speed = bf16_matmul_speed()
@@ -235,7 +219,7 @@ def onednn_linears_wanted(device: torch.device, dtype: torch.dtype, model: nn.Mo
     if free is not None and extra > free / 2:
         log.info(
             "bf16 matmuls run at %.2fx float32's on this CPU, but float32 weights would take %.1f GiB "
-            "more of %.1f GiB free: linears stay on bf16 GEMMs (TOKENFLEET_BF16_LINEAR=float32 forces it)",
+            "more of %.1f GiB free: linears stay on bf16 GEMMs (--bf16-linear float32 forces it)",
             speed,
             extra / 2**30,
             free / 2**30,
@@ -244,7 +228,7 @@ def onednn_linears_wanted(device: torch.device, dtype: torch.dtype, model: nn.Mo
     log.info(
         "bf16 matmuls run at %.2fx float32's on this CPU: linears compute on float32 GEMMs "
         "(the same products and float32 sums, outputs rounded to bf16; weights held in float32, "
-        "%.1f GiB more). TOKENFLEET_BF16_LINEAR=native keeps bf16 GEMMs",
+        "%.1f GiB more). --bf16-linear native keeps bf16 GEMMs",
         speed,
         extra / 2**30,
     )

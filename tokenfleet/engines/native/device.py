@@ -25,7 +25,8 @@ def _npu_available() -> bool:
     if importlib.util.find_spec("torch_npu") is None:
         return False
     importlib.import_module("torch_npu")
-    return bool(getattr(torch, "npu", None) and torch.npu.is_available())
+    npu = getattr(torch, "npu", None)  # torch_npu adds it
+    return bool(npu and npu.is_available())
 
 
 def select_device(name: str = "auto") -> torch.device:
@@ -43,7 +44,7 @@ def select_device(name: str = "auto") -> torch.device:
                 "device npu needs torch_npu: pip install 'tokenfleet[npu]' (Ascend CANN required)"
             )
         importlib.import_module("torch_npu")
-        if not torch.npu.is_available():
+        if not getattr(torch, "npu").is_available():  # noqa: B009 (torch_npu adds it)
             raise ValueError("torch_npu is installed but no Ascend NPU is visible")
     elif kind == "cuda":
         if not torch.cuda.is_available():
@@ -100,9 +101,7 @@ def select_dtype(name: str, device: torch.device) -> torch.dtype:
                     bf16_matmul_speed(),
                 )
                 return DTYPES[name]
-            # taken as asked (a fleet may want one dtype), but emulated bf16 is a trap: on an
-            # AVX2 EPYC (before tokenfleet's kernel had an AVX2 path) its matmuls ran at ~0.15x
-            # float32's and a 113M model served 4x slower
+            # taken as asked (a fleet may want one dtype), but emulated bf16 is a trap: say so
             log.warning(
                 "dtype bfloat16 on a CPU without bf16 instructions (AVX512-BF16 or AMX): its matmuls "
                 "are emulated and ran at %.2fx float32's here; --dtype auto picks float32 on this CPU",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -18,10 +19,12 @@ from tokenfleet.core.interface import ModelFacts
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.core.vocab import eos_token_ids, max_token_chars
 from tokenfleet.engines.native import attention
+from tokenfleet.engines.native.compiled import compile_decode, compile_prefill
 from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
 from tokenfleet.engines.native.cpu_linear import KernelLinear, linear_route, pack_linears
 from tokenfleet.engines.native.device import select_device, select_dtype
 from tokenfleet.engines.native.sampling import choose_tokens
+from tokenfleet.engines.native.shapes import decode_buckets, prefill_padded_size
 from tokenfleet.kvcache.store import PagedKVStore
 
 log = logging.getLogger(__name__)
@@ -29,13 +32,6 @@ log = logging.getLogger(__name__)
 DEFAULT_KV_FRACTION_OF_WEIGHTS = 1.0  # with no budget given, a pool as large as the weights (min 64 blocks)
 # Prefill packs whole prompts into forwards of at most this many tokens (activation memory bound).
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192
-MIN_DECODE_BUCKET = 8  # compiled decode pads batches to 8, 16, 32, ...: weights cost the same
-# CPU prefill pads its packed token count to one of 16 sizes per doubling (at most 1/16 more
-# tokens): oneDNN builds its GEMMs for every new row count (a compiled prefill of ~1,850 new-sized
-# tokens took ~1.3x the time of a size seen before on an AMX Xeon), and varied prompts would
-# otherwise bring a new one almost every time
-PREFILL_SIZES_PER_DOUBLING = 16
-MIN_PREFILL_PAD_STEP = 16
 
 
 class ModelRunner:
@@ -50,16 +46,22 @@ class ModelRunner:
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         compile: bool = False,
         max_batch_size: int = 32,
+        bf16_linear: str = "auto",
+        onednn_linear: bool = True,
+        paged_kernel: bool = True,
     ):
+        """``bf16_linear``, ``onednn_linear`` and ``paged_kernel``: the CPU routes of
+        :class:`~tokenfleet.config.EngineConfig`, each equivalent in results."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         kv = kv or KVCacheConfig()
         self.device = select_device(device)
         self.dtype = select_dtype(dtype, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(
+        model: Any = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=self.dtype, attn_implementation=attention.register()
-        ).to(self.device)
+        )
+        self.model = model.to(self.device)
         self.model.train(False)  # inference mode: dropout and friends off
         cfg = self.model.config.get_text_config()
         num_heads = cfg.num_attention_heads
@@ -86,30 +88,22 @@ class ModelRunner:
         self.num_blocks = num_blocks  # what the scheduler's allocator may hand out
         # attention in C++ on CPU (decode straight from the pool, prefill on the packed prompts);
         # elsewhere (and without a compiler) SDPA runs on gathered blocks and padded prompts
-        self.use_kernel = self.device.type == "cpu" and paged_attention_kernels() is not None
+        self.use_kernel = self.device.type == "cpu" and paged_attention_kernels(paged_kernel) is not None
         self.use_prefill_kernel = self.use_kernel and self.head_dim % 16 == 0  # its widest vector (AVX-512)
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.pad_prefill = self.device.type == "cpu"  # see PREFILL_SIZES_PER_DOUBLING
+        self.pad_prefill = self.device.type == "cpu"  # see shapes.prefill_padded_size
         self.decode_buckets = decode_buckets(max_batch_size)
         # after the KV budget, which counts the weights as loaded
-        route = linear_route(self.device, self.dtype, self.model)
+        route = linear_route(self.device, self.dtype, self.model, bf16_linear, onednn_linear)
         if route == "kernel":
             count = pack_linears(self.model, KernelLinear)
             log.info("engine: %d linears on tokenfleet's bf16 kernel, packed", count)
         elif route == "float32":
             log.info("engine: %d linears on oneDNN float32 GEMMs, prepacked", pack_linears(self.model))
-        self._compiled = self._compile() if compile else None
-        # prefill shapes vary with every batch: one graph with dynamic sizes (its GEMMs are not
-        # autotuned; the gain is fused norms, rotary and activations)
-        self._compiled_prefill = (
-            torch.compile(
-                self.model.base_model,
-                dynamic=True,
-                options={"max_autotune": False, "guard_filter_fn": keep_guards},
-            )
-            if compile
-            else None
+        self._compiled = (
+            compile_decode(self.model.base_model, self.device, len(self.decode_buckets)) if compile else None
         )
+        self._compiled_prefill = compile_prefill(self.model.base_model) if compile else None
         self.pad_decode_batches = compile  # to decode_buckets; eager steps can pad too (tests do)
         self.last_prefill_tokens = self.last_prefill_forwards = 0
         self.eos_token_ids = eos_token_ids(
@@ -214,8 +208,8 @@ class ModelRunner:
             starts=torch.cat([starts, ends[-1:]]).to(dev),
             use_kernel=use_kernel,
         )
-        input_ids = [t for tokens in token_lists for t in tokens] + [self.pad_token_id] * pad
-        input_ids = torch.tensor(input_ids, dtype=torch.long)
+        packed = [t for tokens in token_lists for t in tokens] + [self.pad_token_id] * pad
+        input_ids = torch.tensor(packed, dtype=torch.long)
         compiled = (
             self._compiled_prefill is not None and rows >= 2 and width >= 2
         )  # sizes 0/1 get specialised
@@ -285,28 +279,6 @@ class ModelRunner:
         out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, tokenfleet_step=meta)
         return out.last_hidden_state
 
-    # -- torch.compile --------------------------------------------------------------------------
-
-    def _compile(self):
-        """The base model compiled by inductor for decode, with frozen weights and autotuned
-        matmuls (its C++ AMX/AVX512 GEMM templates on CPU). Batches are padded to
-        :attr:`decode_buckets` because those templates are generated per shape. :meth:`warm_up`
-        compiles every bucket (and the dynamic-shape prefill graph)."""
-        import torch._inductor.config as inductor
-        import torch.fx.experimental._config as fx_config
-
-        inductor.freezing = True
-        # dynamic prefill: without this, sizes that happen to be equal at warm-up (2 prompts, 2 KV
-        # heads) are assumed equal forever, and the first real batch recompiles mid-serving
-        fx_config.use_duck_shape = False
-        if self.device.type == "cpu":  # accelerators keep inductor's defaults (their vendor GEMMs)
-            inductor.max_autotune = True
-            inductor.max_autotune_gemm_backends = "CPP,ATEN"
-        torch._dynamo.config.cache_size_limit = max(
-            torch._dynamo.config.cache_size_limit, 4 * len(self.decode_buckets)
-        )
-        return torch.compile(self.model.base_model, dynamic=False, options={"guard_filter_fn": keep_guards})
-
     @torch.inference_mode()
     def warm_up(self) -> float:
         """Compile prefill and every decode bucket before serving (through :meth:`prefill` and
@@ -323,32 +295,3 @@ class ModelRunner:
             n = min(rows, self.num_blocks // 2)
             self.decode([[2 * i, 2 * i + 1] for i in range(n)], [tokens] * n, [self.pad_token_id] * n)
         return time.perf_counter() - start
-
-
-def keep_guards(entries: list) -> list[bool]:
-    """Which of a compiled graph's guards run before every call: all but those on the model's
-    modules (about 700 of 950 for a 4-layer Llama), whose hooks and attributes the engine never
-    changes after loading. The identity of every parameter and buffer stays checked: frozen into
-    the graph as constants, they tie it to this model, so another engine's model of the same
-    class never runs it. On an AMX Xeon the guard check of a batch-32 decode step went from 0.53
-    to 0.32 ms (4-layer model) and from 0.88 to 0.64 ms (12 layers)."""
-    return [
-        not e.orig_guard.source.is_unspecialized_nn_module() or e.guard_type == "ID_MATCH" for e in entries
-    ]
-
-
-def prefill_padded_size(tokens: int) -> int:
-    """``tokens`` rounded up to one of :data:`PREFILL_SIZES_PER_DOUBLING` sizes between each two
-    powers of two (steps of at least :data:`MIN_PREFILL_PAD_STEP`)."""
-    octave = tokens.bit_length() - 1  # 2**octave <= tokens < 2**(octave + 1)
-    step = 1 << max(0, octave - (PREFILL_SIZES_PER_DOUBLING.bit_length() - 1))
-    step = max(MIN_PREFILL_PAD_STEP, step)
-    return -(-tokens // step) * step
-
-
-def decode_buckets(max_batch_size: int) -> list[int]:
-    """Batch sizes compiled decode pads to: 8, 16, 32, ... up to ``max_batch_size``."""
-    buckets = [MIN_DECODE_BUCKET]
-    while buckets[-1] < max_batch_size:
-        buckets.append(buckets[-1] * 2)
-    return buckets

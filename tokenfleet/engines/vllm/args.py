@@ -20,8 +20,8 @@ def engine_args(config: WorkerConfig) -> Any:
 
     from tokenfleet.engines.native.device import select_device, select_dtype
 
-    device = select_device(config.device)
-    dtype = str(select_dtype(config.dtype, device)).removeprefix("torch.")
+    device = select_device(config.engine.device)
+    dtype = str(select_dtype(config.engine.dtype, device)).removeprefix("torch.")
     kv: dict[str, Any] = {}
     if config.kv.num_blocks is not None:
         kv["num_gpu_blocks_override"] = config.kv.num_blocks
@@ -30,7 +30,7 @@ def engine_args(config: WorkerConfig) -> Any:
     elif device.type == "cpu":
         kv["gpu_memory_utilization"] = CPU_MEMORY_UTILIZATION
     return EngineArgs(
-        model=config.model,
+        model=config.engine.model,
         dtype=dtype,
         max_model_len=config.batching.max_seq_len,
         max_num_seqs=config.batching.max_batch_size,

@@ -19,11 +19,12 @@ from typing import Any
 
 from tokenfleet.batcher import Batch, Batcher
 from tokenfleet.config import DynamicBatchingConfig, WorkerConfig
-from tokenfleet.core.admission import Admission, Limits, Refusal
+from tokenfleet.core.admission import Admission, Limits
 from tokenfleet.core.interface import BatchEvent, Capacity, ModelFacts, StepOutput, TokenOutput
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.core.vocab import eos_token_ids, max_token_chars
 from tokenfleet.engines.vllm.args import engine_args
+from tokenfleet.protocol import Refusal
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,6 @@ class VllmCore:
         engine: Any,
         batching: DynamicBatchingConfig,
         facts: ModelFacts,
-        max_new_tokens_cap: int,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.engine = engine
@@ -52,7 +52,7 @@ class VllmCore:
             Limits(
                 buckets=batching.buckets,
                 max_seq_len=min(batching.max_seq_len, self.max_model_len),
-                max_new_tokens_cap=max_new_tokens_cap,
+                max_new_tokens_cap=batching.max_new_tokens_cap,
                 vocab_size=facts.vocab_size,
                 max_token_chars=facts.max_token_chars,
                 kv_tokens_per_seq=min(self.num_blocks * self.block_size, self.max_model_len),
@@ -69,10 +69,10 @@ class VllmCore:
         from vllm import LLMEngine
 
         args = engine_args(config)
-        log.info("starting vLLM's engine for %s (%s)", config.model, args.dtype)
+        model = config.engine.model or ""
+        log.info("starting vLLM's engine for %s (%s)", model, args.dtype)
         engine = LLMEngine.from_engine_args(args)
-        facts = model_facts(config.model, engine)
-        core = cls(engine, config.batching, facts, config.max_new_tokens_cap)
+        core = cls(engine, config.batching, model_facts(model, engine))
         log.info(
             "vLLM ready: KV cache %d blocks x %d tokens, max_model_len %d",
             core.num_blocks,

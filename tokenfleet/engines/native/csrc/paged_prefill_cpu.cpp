@@ -26,11 +26,15 @@
 #include "common.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 #include <vector>
+
+// Whether bf16 prefill may take the AMX tile path (where the CPU has it): prefill_tiles() sets it.
+static std::atomic<bool> tiles_allowed{true};
+
+bool prefill_tiles(bool enabled) { return tiles_allowed.exchange(enabled); }
 
 namespace {
 
@@ -392,12 +396,10 @@ void attend_tiles(const at::Tensor& out, const at::Tensor& query, const at::Tens
 }
 
 // The tile path: bf16 on a CPU with AMX, head sizes a multiple of 32 (the value packing's
-// register). TOKENFLEET_PREFILL_TILES=0 (read at every call: tests compare the paths) keeps the
-// register-blocked one.
+// register), unless prefill_tiles(False) turned it off (tests compare the paths).
 bool use_tiles(int64_t head_dim) {
   static const bool amx = at::native::cpublas::could_pack(at::kBFloat16);
-  const char* flag = std::getenv("TOKENFLEET_PREFILL_TILES");
-  return amx && head_dim % 32 == 0 && !(flag && std::string(flag) == "0");
+  return amx && head_dim % 32 == 0 && tiles_allowed.load();
 }
 #endif  // __AVX512BF16__
 
@@ -495,6 +497,7 @@ TORCH_LIBRARY_FRAGMENT(tokenfleet, m) {
   m.def(
       "paged_prefill(Tensor query, Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor write_blocks, Tensor write_offsets, Tensor starts, float scale) -> Tensor");
+  m.def("prefill_tiles(bool enabled) -> bool", &prefill_tiles);
 }
 
 TORCH_LIBRARY_IMPL(tokenfleet, CPU, m) { m.impl("paged_prefill", &paged_prefill); }

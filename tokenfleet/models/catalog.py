@@ -9,7 +9,6 @@ architecture is built from its config, the weights copied in and saved: what
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -18,6 +17,8 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from tokenfleet.config.loading import cache_dir
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,8 @@ class FetchError(RuntimeError):
     """The model could not be fetched or converted; the message says why in one line."""
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenfleet" / "models"
-
-
 def cached_path(name: str, dtype: str = "float32") -> Path:
-    return cache_dir() / f"{name}-{dtype}"
+    return cache_dir() / "models" / f"{name}-{dtype}"
 
 
 def is_ready(path: Path) -> bool:
@@ -159,4 +156,4 @@ def ask(model_dir: Path, question: str, max_new_tokens: int = 24) -> str:
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
         )
-    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    return str(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))

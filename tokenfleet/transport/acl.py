@@ -9,6 +9,8 @@ default prefix.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tokenfleet.protocol import Keys
 
 # Commands every client library sends on connect or to check the connection.
@@ -120,7 +122,7 @@ def worker_key_patterns(prefix: str) -> list[str]:
 
 
 def setuser_args(
-    user: str, password: str, commands: list[str], patterns: list[str], selectors: list[str] = ()
+    user: str, password: str, commands: list[str], patterns: list[str], selectors: Sequence[str] = ()
 ) -> list[str]:
     """Arguments of ``ACL SETUSER`` that (re)define ``user`` from scratch with exactly these rights."""
     return [user, "reset", "on", f">{password}", "resetchannels", "-@all", *commands, *patterns, *selectors]

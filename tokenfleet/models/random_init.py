@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 SIZES = {
     # a few M parameters: fast enough for tests on 2 CPU cores; 2 KV heads exercise GQA
@@ -67,6 +68,7 @@ def init_model(
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    shape: dict[str, Any] = SIZES[size]
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
         max_position_embeddings=max_position_embeddings,
@@ -77,7 +79,7 @@ def init_model(
         # Wider than the 0.02 default so a random model's greedy output varies token to token
         # instead of repeating one byte: equivalence tests then compare something meaningful.
         initializer_range=0.1,
-        **SIZES[size],
+        **shape,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

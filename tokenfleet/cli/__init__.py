@@ -1,0 +1,38 @@
+"""``tokenfleet``: the command line. Thin: it parses, builds objects and calls them."""
+
+from __future__ import annotations
+
+import click
+
+from tokenfleet.cli import demo, fleet, models, requests, worker
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="tokenfleet")
+def main() -> None:
+    """Serve LLM text generation from a fleet of workers fed by Redis Streams.
+
+    \b
+    Try it:     tokenfleet demo
+    Run a fleet:
+      tokenfleet model get smollm2 ./smollm2           # or `model init ./tiny`, or any local HF causal LM
+      tokenfleet worker --model ./smollm2              # as many as you like, anywhere
+      tokenfleet submit "Hello"                        # streams tokens to stdout
+    """
+
+
+for command in (
+    models.model,
+    worker.worker,
+    requests.submit,
+    requests.result,
+    requests.cancel,
+    fleet.status,
+    fleet.batch,
+    fleet.rq_worker,
+    fleet.acl,
+    demo.demo,
+):
+    main.add_command(command)
+
+__all__ = ["main"]

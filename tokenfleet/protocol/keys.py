@@ -1,0 +1,88 @@
+"""Every Redis key tokenfleet uses, derived from one prefix, each with a line on what it holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenfleet.protocol.constants import AUTO_BUCKET
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The keys of one fleet.
+
+    Keys that workers touch together (the request streams, read in one XREADGROUP and one
+    script; the backpressure hash the enqueue script reads beside a stream; the fleet registry)
+    share the hash tag ``{prefix}``, so on Redis Cluster they live in one slot. Reply streams and
+    cancel flags carry no tag, so they spread over every node.
+    """
+
+    prefix: str = "tokenfleet"
+
+    def __post_init__(self) -> None:
+        if not self.prefix or any(c in self.prefix for c in "{}*?[] "):
+            raise ValueError(
+                f"prefix must be non-empty without braces, glob characters or spaces: {self.prefix!r}"
+            )
+
+    @property
+    def tag(self) -> str:
+        """Hash tag of the keys that must share a cluster slot."""
+        return "{" + self.prefix + "}"
+
+    def request_stream(self, bucket: int | str) -> str:
+        """Stream of requests for prompts of at most ``bucket`` tokens (or ``auto``)."""
+        return f"{self.tag}:req:{bucket}"
+
+    @property
+    def auto_stream(self) -> str:
+        """Ingress stream for untokenized prompts; a worker moves each entry to its bucket."""
+        return self.request_stream(AUTO_BUCKET)
+
+    def reply_stream(self, request_id: str) -> str:
+        """Per-request stream of ``token`` events and one terminal ``done``/``error`` event."""
+        return f"{self.prefix}:reply:{request_id}"
+
+    def client_wake(self, client_id: str) -> str:
+        """A client's own stream: an entry ends the client's blocked XREAD over the reply streams
+        it follows, so that the next read includes a stream it started following (expires)."""
+        return f"{self.prefix}:client:{client_id}:wake"
+
+    def owner(self, request_id: str) -> str:
+        """The request stream entry that owns a request id (``stream entry-id``), kept as long as
+        its reply stream: a second entry with the same id is refused (``duplicate_id``)."""
+        return f"{self.prefix}:owner:{request_id}"
+
+    def cancel(self, request_id: str) -> str:
+        """Exists (any value, with a TTL) when a request is cancelled; checked when a worker takes it."""
+        return f"{self.prefix}:cancel:{request_id}"
+
+    @property
+    def cancels(self) -> str:
+        """Stream of cancelled request ids (field ``id``), read by every worker each turn."""
+        return f"{self.tag}:cancels"
+
+    @property
+    def dead_letter(self) -> str:
+        """Stream of entries that could not be decoded or failed too many times, with the reason."""
+        return f"{self.tag}:dead"
+
+    @property
+    def max_queue(self) -> str:
+        """Hash of bucket -> most entries that may wait undelivered on its stream (backpressure)."""
+        return f"{self.tag}:max_queue"
+
+    @property
+    def buckets(self) -> str:
+        """Set of bucket sizes that live workers serve; producers route by it."""
+        return f"{self.tag}:buckets"
+
+    @property
+    def workers(self) -> str:
+        """Hash of worker name -> msgpack heartbeat (buckets, device, last seen)."""
+        return f"{self.tag}:workers"
+
+    @property
+    def patterns(self) -> tuple[str, str]:
+        """SCAN/ACL glob patterns that cover every key of this prefix."""
+        return f"{self.tag}:*", f"{self.prefix}:*"

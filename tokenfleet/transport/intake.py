@@ -1,0 +1,149 @@
+"""Reading work: consumer groups, bounded reads of new entries, our own pending list, and the
+decoding of each entry into a request or a refusal.
+
+A worker never takes from Redis more than it can start soon: every read is bounded by the room
+the caller gives (``max_batch_size`` minus what waits), across all the streams it serves.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from tokenfleet import protocol
+from tokenfleet.errors import ProtocolError
+from tokenfleet.protocol import GROUP, Fields, Refusal, Request
+from tokenfleet.transport import scripts
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One request stream entry as read."""
+
+    stream: str
+    entry_id: str
+    fields: Fields
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Where it lies, which is also how the worker names the sequence it becomes."""
+        return self.stream, self.entry_id
+
+    @property
+    def enqueued_wall(self) -> float:
+        """Wall-clock time Redis accepted the entry (the millisecond part of its id)."""
+        return int(self.entry_id.split("-", 1)[0]) / 1000.0
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """An entry to act on: its request, or why it will not run. ``redelivered``: it was handed
+    out before (ours after a restart, or claimed from a dead worker), so it may resume."""
+
+    entry: Entry
+    request: Request | None
+    refusal: Refusal | None = None
+    redelivered: bool = False
+
+
+def decode(entry: Entry, redelivered: bool = False) -> Incoming:
+    """Decode one entry into its request, or the refusal its decoding earned."""
+    try:
+        return Incoming(entry, protocol.decode_request(entry.fields), redelivered=redelivered)
+    except ProtocolError as e:
+        return Incoming(entry, None, e.refusal, redelivered)
+
+
+def _fields(flat: list[Any]) -> Fields:
+    return {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
+
+
+def _read_entries(resp: Any) -> list[Entry]:
+    """The entries of an XREADGROUP reply (streams and ids as bytes, fields as a map)."""
+    return [
+        Entry(stream.decode(), entry_id.decode(), fields or {})
+        for stream, items in resp or []
+        for entry_id, fields in items
+    ]
+
+
+class StreamReader:
+    """Reads new entries for one consumer from several request streams, fairly and bounded."""
+
+    def __init__(self, client: redis.Redis, streams: list[str], consumer: str):
+        self.client = client
+        self.streams = streams
+        self.consumer = consumer
+        self._script = client.register_script(scripts.READ_BOUNDED)
+        self._trim = client.register_script(scripts.TRIM_ACKED)
+        self._rotation = itertools.cycle(range(len(streams)))
+
+    def ensure_groups(self) -> None:
+        """Create the consumer group on every stream, from id 0, so that requests enqueued before
+        any worker existed are served."""
+        for stream in self.streams:
+            try:
+                self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+
+    def read_own_pending(self, count: int) -> list[Entry]:
+        """Entries this consumer name was given and never acknowledged (a worker restarted under a
+        fixed ``--name``): read from id 0, as a restarted consumer must."""
+        resp = self.client.xreadgroup(GROUP, self.consumer, {s: "0" for s in self.streams}, count=count)
+        return [entry for entry in _read_entries(resp) if entry.fields]  # deleted while pending: empty
+
+    def trim_acknowledged(self) -> int:
+        """Remove acknowledged entries from every stream (never an unacknowledged one), so Redis
+        memory stays bounded on a long run; returns how many were removed."""
+        return sum(int(self._trim(keys=[stream], args=[GROUP])) for stream in self.streams)
+
+    def read(self, count: int, block_ms: int | None) -> list[Entry]:
+        """Up to ``count`` new entries. With ``block_ms``, wait that long for the first one (that
+        wait reads at most one entry per stream); the rest is read without waiting. Streams are
+        visited from a rotating start so that a busy stream cannot starve a quiet one."""
+        if count <= 0:
+            return []
+        entries: list[Entry] = []
+        if block_ms is not None:
+            resp = self.client.xreadgroup(
+                GROUP, self.consumer, {s: ">" for s in self.streams}, count=1, block=max(1, block_ms)
+            )
+            entries += _read_entries(resp)
+            if not entries:
+                return []
+        remaining = count - len(entries)
+        if remaining > 0:
+            entries += self._parse(self._script(keys=self._order(), args=[GROUP, self.consumer, remaining]))
+        return entries
+
+    def queue_read(self, pipe: Any, count: int) -> None:
+        """Queue :meth:`read`'s non-blocking read on ``pipe`` (the script by its SHA: through a
+        pipeline, redis-py's Script would cost a SCRIPT EXISTS round trip of its own)."""
+        order = self._order()
+        pipe.evalsha(self._script.sha, len(order), *order, GROUP, self.consumer, count)
+
+    def parse_queued(self, reply: object, count: int) -> list[Entry]:
+        """The entries of a :meth:`queue_read` reply; if Redis had lost the script (a restart),
+        the read is made again on its own, which loads it."""
+        if isinstance(reply, redis.exceptions.NoScriptError):
+            return self.read(count, None)
+        if isinstance(reply, Exception):
+            raise reply
+        return self._parse(reply)
+
+    def _order(self) -> list[str]:
+        start = next(self._rotation)
+        return self.streams[start:] + self.streams[:start]
+
+    @staticmethod
+    def _parse(reply: Any) -> list[Entry]:
+        return [
+            Entry(stream.decode(), entry_id.decode(), _fields(flat))
+            for stream, items in reply
+            for entry_id, flat in items
+        ]

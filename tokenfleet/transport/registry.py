@@ -1,0 +1,86 @@
+"""The fleet registry: who serves what. Workers announce their buckets and queue limits and beat
+a heartbeat every few seconds; producers and ``tokenfleet status`` read them back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+from redis.typing import EncodableT, FieldT
+
+from tokenfleet import protocol
+from tokenfleet.protocol import AUTO_BUCKET, Keys
+
+STALE_AFTER_S = 10.0  # a worker silent this long is not alive (heartbeats come every 2 s)
+
+
+def heartbeats(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
+    """Every worker's last heartbeat, with ``name``, ``alive`` and ``seen_s_ago``."""
+    now = time.time()
+    beats = []
+    entries: dict[Any, Any] = client.hgetall(keys.workers)
+    for name, raw in sorted(entries.items()):
+        try:
+            beat = protocol.unpack(raw)
+        except ValueError:
+            continue
+        if not isinstance(beat, dict):
+            continue
+        age = now - float(beat.get("seen", 0))
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        beats.append({"name": name, "alive": age < STALE_AFTER_S, "seen_s_ago": round(age, 1), **beat})
+    return beats
+
+
+def serving_workers(client: redis.Redis, keys: Keys, bucket: int | str | None = None) -> list[str]:
+    """Live workers that serve ``bucket`` (any live worker takes ``auto`` or ``None``)."""
+    return [
+        beat["name"]
+        for beat in heartbeats(client, keys)
+        if beat["alive"] and (bucket in (None, AUTO_BUCKET) or int(bucket) in beat.get("buckets", []))
+    ]
+
+
+class Registry:
+    """One worker's entry in the registry."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, name: str):
+        self.client = client
+        self.keys = keys
+        self.name = name
+
+    def announce(self, buckets: Iterable[int], max_queue: int | None) -> None:
+        """Add our buckets to the routing set and, when given, set each one's queue limit (the
+        enqueue script refuses producers past it)."""
+        buckets = list(buckets)
+        self.client.sadd(self.keys.buckets, *buckets)
+        if max_queue is not None:
+            limits: dict[FieldT, EncodableT] = {str(b): max_queue for b in [*buckets, AUTO_BUCKET]}
+            self.client.hset(self.keys.max_queue, mapping=limits)
+
+    def beat(self, state: dict[str, Any]) -> None:
+        """Publish this worker's state; ``seen`` is set here."""
+        self.client.hset(self.keys.workers, self.name, protocol.pack({**state, "seen": time.time()}))
+
+    def leave(self) -> None:
+        self.client.hdel(self.keys.workers, self.name)
+
+    def live_buckets(self, own: Iterable[int]) -> list[int]:
+        """Buckets served by live workers (``own`` included), sorted; ``{P}:buckets`` is brought
+        in line on the way, so buckets of workers gone long ago stop drawing producers."""
+        live = {
+            int(b)
+            for beat in heartbeats(self.client, self.keys)
+            if beat["alive"]
+            for b in beat.get("buckets", [])
+        }
+        live |= set(own)
+        stale = {int(b) for b in self.client.smembers(self.keys.buckets)} - live
+        pipe = self.client.pipeline(transaction=False)
+        pipe.sadd(self.keys.buckets, *live)
+        if stale:
+            pipe.srem(self.keys.buckets, *stale)
+        pipe.execute()
+        return sorted(live)

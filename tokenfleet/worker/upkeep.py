@@ -1,0 +1,137 @@
+"""What a worker does between turns on its own clock: heartbeats, vouching for the entries it
+holds, trimming acknowledged entries, keeping the fleet's bucket list fresh, the capacity
+gauges, and an integrity check whenever a burst of work is done."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from tokenfleet.config import WorkerConfig
+from tokenfleet.core.interface import EngineCore, StepOutput
+from tokenfleet.transport.intake import StreamReader
+from tokenfleet.transport.reclaim import Reclaimer
+from tokenfleet.transport.registry import Registry
+from tokenfleet.worker.metrics import WorkerMetrics
+from tokenfleet.worker.publisher import Publisher
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 2.0
+FLEET_BUCKETS_TTL_S = 10.0
+
+
+class FleetBuckets:
+    """The buckets live workers serve, looked up at most every :data:`FLEET_BUCKETS_TTL_S`."""
+
+    def __init__(self, registry: Registry, own: tuple[int, ...], clock: Callable[[], float] = time.monotonic):
+        self.registry = registry
+        self.own = own
+        self.clock = clock
+        self._buckets = sorted(own)
+        self._at = float("-inf")
+
+    def get(self, refresh: bool = False) -> list[int]:
+        now = self.clock()
+        if refresh or now - self._at > FLEET_BUCKETS_TTL_S:
+            self._buckets = self.registry.live_buckets(self.own)
+            self._at = now
+        return self._buckets
+
+
+class Upkeep:
+    """The worker's periodic chores, run after every turn (each on its own interval)."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        core: EngineCore,
+        registry: Registry,
+        fleet: FleetBuckets,
+        reader: StreamReader,
+        reclaimer: Reclaimer,
+        metrics: WorkerMetrics,
+        publisher: Publisher,
+    ):
+        self.config = config
+        self.core = core
+        self.registry = registry
+        self.fleet = fleet
+        self.reader = reader
+        self.reclaimer = reclaimer
+        self.metrics = metrics
+        self.publisher = publisher
+        self.capacity = core.capacity()
+        self._kv_peak = self.capacity  # the pool at its fullest since the last burst ended
+        metrics.kv_blocks_total.set(self.capacity.kv_blocks_total)
+        self._last_heartbeat = 0.0
+        self._tokens_at_heartbeat = 0
+        self._last_trim = time.monotonic()
+
+    def after_turn(self, output: StepOutput) -> None:
+        self._update_capacity()
+        if output.tokens and not self.core.held():  # a burst of work is done
+            self._log_memory()
+            try:
+                self.core.check_idle()
+            except RuntimeError:  # a bug in the core's bookkeeping; the queue goes on
+                log.exception("integrity check failed with the worker idle")
+        self.reclaimer.touch(lambda: [seq.key for seq in self.core.held()])
+        if time.monotonic() - self._last_trim > self.config.reliability.trim_interval_s:
+            self._last_trim = time.monotonic()
+            self.reader.trim_acknowledged()
+        self.heartbeat()
+        self.fleet.get()  # every FLEET_BUCKETS_TTL_S: {P}:buckets keeps live workers' only
+
+    def heartbeat(self, force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self._last_heartbeat < HEARTBEAT_S:
+            return
+        generated = self.publisher.tokens_generated
+        elapsed = now - self._last_heartbeat
+        rate = (generated - self._tokens_at_heartbeat) / elapsed if elapsed < 60 else 0.0
+        self._tokens_at_heartbeat, self._last_heartbeat = generated, now
+        cap, facts = self.capacity, self.core.facts
+        self.registry.beat(
+            {
+                "buckets": list(self.config.batching.buckets),
+                "engine": self.core.backend,
+                "device": facts.device,
+                "dtype": facts.dtype,
+                "mode": self.config.batching.mode,
+                "running": cap.running,
+                "waiting": cap.waiting,
+                "kv_blocks_used": cap.kv_blocks_used,
+                "kv_blocks_total": cap.kv_blocks_total,
+                "finished": self.publisher.requests_finished,
+                "tokens_per_s": round(rate, 1),
+            }
+        )
+
+    def _update_capacity(self) -> None:
+        self.capacity = cap = self.core.capacity()
+        if cap.kv_blocks_used > self._kv_peak.kv_blocks_used:
+            self._kv_peak = cap
+        m = self.metrics
+        m.kv_blocks_used.set(cap.kv_blocks_used)
+        m.running.set(cap.running)
+        m.waiting.set(cap.waiting)
+
+    def _log_memory(self) -> None:
+        """How full the KV pool got, next to what a contiguous cache preallocated for
+        max_batch_size x max_seq_len would have reserved."""
+        peak, b = self._kv_peak, self.config.batching
+        mib = 2**20
+        contiguous = b.max_batch_size * b.max_seq_len * peak.kv_bytes_per_block // max(1, peak.block_size)
+        log.info(
+            "KV pool peak: %d/%d blocks used (%d free); %.1f MiB vs %.1f MiB for a contiguous %dx%d cache",
+            peak.kv_blocks_used,
+            peak.kv_blocks_total,
+            peak.kv_blocks_free,
+            peak.kv_blocks_used * peak.kv_bytes_per_block / mib,
+            contiguous / mib,
+            b.max_batch_size,
+            b.max_seq_len,
+        )
+        self._kv_peak = self.capacity
