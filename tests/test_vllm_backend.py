@@ -25,6 +25,7 @@ with warnings.catch_warnings():  # vLLM's imports warn about torch and transform
 
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.timeout(300),  # vLLM takes half a minute to start, in the fixture or a worker
     pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning"),
 ]
 
@@ -213,6 +214,7 @@ def test_a_request_beyond_the_workers_limits_fails_alone(vllm_engine, offline, t
         assert mate.result(timeout=60).token_ids == expected
 
 
+@pytest.mark.timeout(600)  # two vLLM workers start in turn; the test's own deadlines bound it
 def test_kill_9_mid_stream_another_worker_resumes(
     vllm_engine, offline, tiny_model, redis_url, prefix, r, tmp_path
 ):

@@ -13,7 +13,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet.config import redis_url_from_env
-from tokenfleet.producer.base import RECONNECT_GIVE_UP_S, ClientBase, reply_events
+from tokenfleet.producer.base import RECONNECT_GIVE_UP_S, ClientBase, Outage, new_events, reply_events
 from tokenfleet.producer.replies import ReplyReader
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
 from tokenfleet.producer.routing import (
@@ -112,27 +112,20 @@ class AsyncClient(ClientBase):
     ) -> AsyncIterator[ReplyEvent]:
         key = self.keys.reply_stream(request_id)
         deadline = None if timeout is None else time.monotonic() + timeout
-        last = "0"
-        outage_since: float | None = None
+        last: Any = "0"
+        outage = Outage()
         while True:
-            block = next_block_ms(request_id, deadline, timeout)
             try:
-                resp = await self.redis.xread({key: last}, block=block)
-            except (RedisConnectionError, RedisTimeoutError):
-                # Redis restarting or a network blip: keep following until the caller's timeout
-                # (or RECONNECT_GIVE_UP_S without a connection when there is none)
-                outage_since = outage_since or time.monotonic()
-                if time.monotonic() - outage_since > RECONNECT_GIVE_UP_S:
-                    raise
-                await asyncio.sleep(0.2)
+                resp = await self.redis.xread({key: last}, block=next_block_ms(request_id, deadline, timeout))
+            except (RedisConnectionError, RedisTimeoutError) as e:
+                await asyncio.sleep(outage.failed(e))
                 continue
-            outage_since = None
-            for _, items in resp or []:
-                for _, event in reply_events(items):
-                    yield event
-                    if event.terminal:
-                        return
-                last = items[-1][0] if items else last
+            outage.over()
+            last, events = new_events(resp, last)
+            for event in events:
+                yield event
+                if event.terminal:
+                    return
 
     async def stream(self, request_id: str, timeout: float | None = None) -> AsyncIterator[Chunk]:
         builder = ResultBuilder(request_id)

@@ -19,6 +19,37 @@ CANCELS_MAXLEN = 100_000  # recent cancels kept on the stream
 CANCEL_TTL_S = 24 * 3600  # long enough for a queued request to be seen
 
 
+RETRY_S = 0.2  # pause between reads of a reply stream while Redis is unreachable
+
+
+class Outage:
+    """Reads that failed in a row (Redis restarting, a network blip): keep following until the
+    caller's timeout, or :data:`RECONNECT_GIVE_UP_S` without a connection."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def failed(self, error: Exception) -> float:
+        """The pause before the next try; raises ``error`` once the outage is too long."""
+        self.since = self.since or time.monotonic()
+        if time.monotonic() - self.since > RECONNECT_GIVE_UP_S:
+            raise error
+        return RETRY_S
+
+    def over(self) -> None:
+        self.since = None
+
+
+def new_events(resp: Any, last: Any) -> tuple[Any, list[ReplyEvent]]:
+    """The events of one XREAD of a reply stream, up to and with a terminal one, and the id to
+    read after next."""
+    events: list[ReplyEvent] = []
+    for _, items in resp or []:
+        events += [event for _, event in reply_events(items)]
+        last = items[-1][0] if items else last
+    return last, events
+
+
 def reply_events(items: Iterable[tuple[Any, dict[bytes, bytes]]]) -> Iterator[tuple[Any, ReplyEvent]]:
     """(entry id, event) for each reply entry, in order, up to and with the terminal event;
     event types this release does not know are skipped (newer workers may add some)."""

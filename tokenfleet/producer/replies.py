@@ -24,11 +24,11 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from tokenfleet.producer.base import RETRY_S
 from tokenfleet.producer.routing import READ_BLOCK_MS
 from tokenfleet.protocol import Keys
 
 WAKE_TTL_S = 3600  # a client that dies without closing leaves its wake-up stream this long
-RETRY_S = 0.2  # pause between reads while Redis is unreachable
 CANCEL_RETRY_S = 0.02  # how long close() waits for the read task to take a cancel before it repeats it
 Entries = list[tuple[bytes, dict[bytes, bytes]]]
 
