@@ -5,19 +5,17 @@
 // pair of input features, the pairs of 64 output features side by side, which is the operand
 // VDPBF16PS takes (16 lanes, each the dot product of two bf16 pairs, summed in float32). A tile of
 // 6 input rows x 64 output columns keeps 24 accumulators in registers; per pair of input features
-// it loads 4 vectors of the panel and broadcasts 6 pairs of the input. On a Zen 4 EPYC this ran at
-// 358-363 GFLOP/s at 32 rows (oneDNN's bf16 GEMM on its own prepacked weight: 257-315) and at
-// 438-449 at 2048 rows (oneDNN 427-438): the decode step's matmuls and the prefill's.
+// it loads 4 vectors of the panel and broadcasts 6 pairs of the input (docs/PERFORMANCE.md has how
+// it compares with oneDNN).
 //
 // Without AVX512-BF16 (Skylake to Ice Lake Xeons, or a VM that hides the bf16 instructions) oneDNN
-// emulates bf16 GEMMs at a tenth of float32's speed, and the float32 route doubles the weights'
-// memory. Here the packed panel (48 columns wide in this build) is widened in registers: a pair's
+// emulates bf16 GEMMs, and the float32 route doubles the weights' memory. Here the packed panel (48 columns wide in this build) is widened in registers: a pair's
 // 32-bit word holds input feature 2p in its low half and 2p+1 in its high half, so a shift by 16
 // and a mask give the two exact float32 vectors; the input rows are widened to float32 once per
 // call. The products are exact in float32 and summed in float32, so the result is that of the
 // VDPBF16PS path up to the order of the sums. Decode reads half the bytes of a float32 weight.
-// With AVX2 and FMA only (e.g. a Zen 3 EPYC, whose library bf16 GEMMs are emulated at a tenth of
-// float32's or less) the same scheme runs on 8-float vectors: panels of 16 columns, tiles of 6 rows
+// With AVX2 and FMA only (e.g. a Zen 3 EPYC, whose library bf16 GEMMs are emulated) the same
+// scheme runs on 8-float vectors: panels of 16 columns, tiles of 6 rows
 // (12 accumulators, 2 widened weight vectors and a broadcast of AVX2's 16 registers).
 //
 // Ops (torch.ops.tokenfleet):
@@ -77,9 +75,7 @@ inline void tile(const uint32_t* x, int64_t x_pairs, const uint32_t* panel, int6
 
 #elif defined(TOKENFLEET_LINEAR_AVX512)
 // Tiles of 8 rows x 48 columns: 24 accumulators, 3 widened weight vectors and a broadcast. With
-// 64-column panels (6 x 4) GCC spilled accumulators to the stack in the widening's shadow: 122-132
-// GFLOP/s on one core of a Xeon whose VM hides AVX512-BF16, against 166-172 for 8 x 3 (FMA peak 173;
-// a scratch benchmark).
+// 64-column panels (6 x 4) GCC spilled accumulators to the stack in the widening's shadow.
 constexpr int64_t PANEL = 48;
 constexpr int64_t ROWS = 8;
 
@@ -131,8 +127,7 @@ constexpr int64_t PANEL = 16;  // 2 vectors of 8 float32 sums
 constexpr int64_t ROWS = 6;    // 6 x 2 = 12 accumulators of 16 registers
 
 // As the AVX-512 tiles above, on 8-float vectors; NV of the panel's 2 vectors. Not inlined: in its
-// caller's loop GCC kept 4 of the 12 accumulators on the stack (42 against 153 GFLOP/s on one core
-// of a Zen 3 EPYC, a scratch benchmark).
+// caller's loop GCC kept 4 of the 12 accumulators on the stack, a third of the speed.
 template <int MR, int NV>
 __attribute__((noinline)) void tile_cols(const float* x, int64_t x_pairs, const uint32_t* panel, int64_t pairs, float* out_tile) {
   __m256 acc[MR][NV];

@@ -4,7 +4,7 @@
 //
 // Registered as the operator tokenfleet::paged_decode, which also writes the step's new K/V into
 // the pool: one C++ call per layer and step, with no Python in between, which is what a compiled
-// decode graph calls (a Python custom op costs ~0.2 ms a call, a quarter of a tiny model's step).
+// decode graph calls (a Python custom op per layer cost a large share of a small model's step).
 //
 // Layouts (see tokenfleet/kvcache/store.py):
 //   query        [B, H, 1, D]         this step's query, one token per sequence (any strides)
@@ -63,9 +63,7 @@ inline void axpy(float p, const T* v, float* acc, int64_t d) {
 
 // The bf16 vector paths (defined below when the compiler targets AVX-512 or AVX2; called only for
 // bf16 and head sizes that fill whole registers, kBf16Vectors). The plain loops sum q . k one
-// float at a time (the compiler may not reorder a float sum to vectorize it); on an AVX2 EPYC the
-// AVX2 path took 0.81-0.91x their time for a batch of 32 at 160 tokens, where both are mostly
-// waiting on memory.
+// float at a time (the compiler may not reorder a float sum to vectorize it).
 #if defined(TOKENFLEET_DECODE_AVX512)
 template <typename T, int64_t D>
 constexpr bool kBf16Vectors = std::is_same_v<T, c10::BFloat16> && D > 0 && D % 32 == 0;

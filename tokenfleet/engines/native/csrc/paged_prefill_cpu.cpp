@@ -1,7 +1,6 @@
 // Causal prefill attention for the CPU, over prompts laid end to end: each prompt's tokens attend
 // to its own earlier tokens, with no padding to the batch's longest prompt, no [L, L] mask, and no
-// scores computed above the diagonal. SDPA on the same work pads, masks and runs at ~100 GFLOP/s;
-// this runs register-blocked dot products (AVX512-BF16 pairs on bf16 where the CPU has them,
+// scores computed above the diagonal, where SDPA on the same work pads and masks; this runs register-blocked dot products (AVX512-BF16 pairs on bf16 where the CPU has them,
 // float32 FMAs otherwise), or on AMX CPUs in bf16 tile multiplies, and skips the upper triangle.
 //
 // Registered as tokenfleet::paged_prefill, which also writes the prompts' K/V into the pool.
@@ -82,8 +81,7 @@ inline void value_block(const float* p, int64_t p_ld, int64_t n, const float* v,
 }
 
 // Vectors per register block: the ROWS x J accumulators, J keys and a broadcast query must fit
-// the registers: 32 with AVX-512 (J = 4), 16 with AVX2 (J = 2; the AVX-512 blocking spilled
-// there, and the kernel ran 10x slower on an AVX2 EPYC).
+// the registers: 32 with AVX-512 (J = 4), 16 with AVX2 (J = 2; the AVX-512 blocking spills there).
 #ifdef __AVX512F__
 constexpr int MAX_J = 4;
 #else
@@ -264,9 +262,8 @@ struct Operands {
 // Where the CPU has AMX (cpublas::could_pack), the two matmuls run as tile multiplies: a block of
 // QR query rows against KT keys at a time, with the softmax carried across key tiles (running
 // max and sum, as flash attention does). Every brgemm call has the same shapes and strides, so
-// oneDNN generates two kernels per head size, not one per prompt length. On a 2-vCPU AMX Xeon,
-// 12 heads of 64: 3.7 against 5.9 ms a layer for 16 prompts of 128 tokens, 8.4 against 14.6 ms
-// for 4 of 512; the AMX matmuls are a fifth of that, the softmax and the packing the rest.
+// oneDNN generates two kernels per head size, not one per prompt length. The AMX matmuls are a
+// fifth of the time, the softmax and the packing the rest.
 constexpr int64_t QR = 32;  // query rows per block
 constexpr int64_t KT = 64;  // keys per tile
 
