@@ -1,4 +1,4 @@
-# tokenfleet worker / producer image (CPU). For CUDA, start FROM a pytorch/pytorch CUDA image; for
+# tokenfleet worker / gateway / producer image (CPU). For CUDA, start FROM a pytorch/pytorch CUDA image; for
 # Ascend, from an image with CANN and install the `npu` extra.
 FROM python:3.11-slim
 
@@ -13,7 +13,7 @@ WORKDIR /app
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch>=2.4,<2.14"
 COPY pyproject.toml README.md ./
 COPY tokenfleet ./tokenfleet
-RUN pip install .
+RUN pip install '.[worker]'
 
 # Models live on a volume: mount your HF model directory at /models/<name>.
 VOLUME ["/models"]

