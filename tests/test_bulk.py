@@ -103,3 +103,46 @@ def test_batch_as_rq_job_with_json_serializer(run_worker, redis_url, prefix, mod
         finally:
             Job.fetch(job_id, connection=r, serializer=JSONSerializer).delete()
     assert len(results.read_text().splitlines()) == 20
+
+
+def test_batch_takes_openai_batch_lines_and_writes_openais_output(
+    run_worker, redis_url, prefix, model_path, tmp_path
+):
+    prompts, results = tmp_path / "openai.jsonl", tmp_path / "out.jsonl"
+    lines = [
+        {
+            "custom_id": f"req-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "tiny", "prompt": f"openai line {i}", "max_tokens": 3, "temperature": 0},
+        }
+        for i in range(12)
+    ]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    env = {"REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix}
+    with run_worker(BATCHING):
+        run = tf(
+            ["batch", str(prompts), "-o", str(results), "--model", str(model_path)],
+            env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        out, err = run.communicate(timeout=120)
+    assert run.returncode == 0, err
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [row["custom_id"] for row in rows] == [f"req-{i}" for i in range(12)]
+    for row in rows:
+        assert row["error"] is None and row["response"]["status_code"] == 200
+        assert row["response"]["body"]["object"] == "text_completion"
+        assert len(row["response"]["body"]["choices"][0]["token_ids"]) == 3
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**lines[0], "url": "/v1/embeddings"}) + "\n")
+    refused = subprocess.run(
+        [sys.executable, "-m", "tokenfleet", "batch", str(bad), "-o", str(tmp_path / "x.jsonl")],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 1 and f"{bad}:1:" in refused.stderr

@@ -22,7 +22,7 @@ def compose():
 def test_compose_refers_only_to_what_exists():
     c = compose()
     services, volumes = c["services"], set(c.get("volumes", {}))
-    assert {"redis", "worker", "model-init", "prometheus"} <= set(services)
+    assert {"redis", "worker", "gateway", "model-init", "prometheus"} <= set(services)
     for name, svc in services.items():
         if "build" in svc:
             assert (ROOT / svc["build"] / "Dockerfile").is_file(), name
@@ -36,7 +36,10 @@ def test_compose_refers_only_to_what_exists():
                 assert source in volumes, f"{name} mounts undeclared volume {source}"
     assert "--appendonly" in services["redis"]["command"]  # queued requests survive a restart
     worker_port = services["worker"]["command"][services["worker"]["command"].index("--metrics-port") + 1]
-    assert worker_port in (ROOT / "deploy" / "prometheus.yml").read_text()
+    scraped = (ROOT / "deploy" / "prometheus.yml").read_text()
+    assert worker_port in scraped
+    gateway = services["gateway"]["command"]
+    assert gateway[gateway.index("--port") + 1] in scraped
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["tokenfleet"]' in dockerfile and "COPY tokenfleet" in dockerfile
 
@@ -83,7 +86,39 @@ def test_compose_commands_work_when_run_directly(tmp_path, redis_url, prefix):
         )
         assert submit.returncode == 0, submit.stderr
         assert len(json.loads(submit.stdout)["token_ids"]) == 3
+        serve = [a.replace("/models", str(models)) for a in services["gateway"]["command"]]
+        port = free_port()
+        serve[serve.index("--port") + 1] = str(port)
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "tokenfleet", *serve],
+            env={**os.environ, **env},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            reply = _post_when_up(
+                f"http://127.0.0.1:{port}/v1/completions", {"model": "tiny", "prompt": "hi"}
+            )
+            assert len(reply["choices"][0]["token_ids"]) == 16  # OpenAI's default max_tokens
+        finally:
+            gateway.terminate()
+            gateway.wait(30)
     finally:
         proc.send_signal(signal.SIGTERM)
         logs, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, logs[-2000:]
+
+
+def _post_when_up(url: str, body: dict, wait_s: float = 60) -> dict:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return httpx.post(url, json={**body, "ignore_eos": True}, timeout=60).raise_for_status().json()
+        except (httpx.TransportError, httpx.HTTPStatusError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)

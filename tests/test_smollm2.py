@@ -196,3 +196,29 @@ def test_greedy_equals_generate_on_smollm2_with_preemption(smollm2, reference):
         assert seq.generated == reference.greedy(seq.prompt_ids, 24, ignore_eos=True), seq.request.id
     assert sched.preemptions > 0, "the pool was never short: the test proves nothing"
     sched.check_idle()
+
+
+def test_the_openai_client_chats_with_smollm2_through_the_gateway(runner, smollm2, redis_url, prefix):
+    """Chat completions through `tokenfleet serve` with the real openai package: the model's chat
+    template, its end-of-turn token, the role in the first delta, and the Python client's tokens."""
+    from conftest import RunningWorker
+    from test_gateway import Gateway
+
+    batching = DynamicBatchingConfig(max_wait_ms=5, max_batch_size=4, max_seq_len=512, buckets=(64, 128))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    with RunningWorker(runner, redis_url, prefix, batching, served_model_name="smollm2"):
+        gateway = Gateway(redis_url, prefix, smollm2)
+        try:
+            client = gateway.openai()
+            asked = {"model": "smollm2", "messages": messages, "max_tokens": 24, "temperature": 0}
+            whole = client.chat.completions.create(**asked)
+            answer = whole.choices[0]
+            assert "Paris" in answer.message.content and answer.finish_reason == "stop"
+            assert answer.message.role == "assistant" and whole.object == "chat.completion"
+            chunks = list(client.chat.completions.create(**asked, stream=True))
+            assert chunks[0].choices[0].delta.role == "assistant"
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer.message.content
+            direct = Client(redis_url, prefix=prefix).chat(messages, max_new_tokens=24).result(timeout=120)
+            assert answer.token_ids == direct.token_ids
+        finally:
+            gateway.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from tokenfleet.cli import demo, fleet, models, requests, worker
+from tokenfleet.cli import demo, fleet, models, requests, serve, worker
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -18,12 +18,14 @@ def main() -> None:
       tokenfleet model get smollm2 ./smollm2           # or `model init ./tiny`, or any local HF causal LM
       tokenfleet worker --model ./smollm2              # as many as you like, anywhere
       tokenfleet submit "Hello"                        # streams tokens to stdout
+      tokenfleet serve --port 8000                     # OpenAI's API: /v1/chat/completions
     """
 
 
 for command in (
     models.model,
     worker.worker,
+    serve.serve,
     requests.submit,
     requests.result,
     requests.cancel,

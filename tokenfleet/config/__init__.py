@@ -3,13 +3,16 @@ file > profile > default, in :mod:`tokenfleet.config.loading`)."""
 
 from tokenfleet.config.batching import DEFAULT_BUCKETS, MODES, PADDINGS, DynamicBatchingConfig
 from tokenfleet.config.engine import ENGINE_BACKENDS, EngineConfig, KVCacheConfig
+from tokenfleet.config.gateway import GatewayConfig
 from tokenfleet.config.loading import (
+    GATEWAY_SETTINGS,
     PROFILES,
     WORKER_SETTINGS,
     cache_dir,
     load_config_file,
     prefix_from_env,
     redis_url_from_env,
+    resolve_gateway_config,
     resolve_worker_config,
     worker_config,
 )
@@ -29,6 +32,7 @@ __all__ = [
     "DEFAULT_PREFIX",
     "DEFAULT_REDIS_URL",
     "ENGINE_BACKENDS",
+    "GATEWAY_SETTINGS",
     "MODES",
     "OVERLAP_MODES",
     "PADDINGS",
@@ -36,6 +40,7 @@ __all__ = [
     "WORKER_SETTINGS",
     "DynamicBatchingConfig",
     "EngineConfig",
+    "GatewayConfig",
     "KVCacheConfig",
     "RedisConfig",
     "ReliabilityConfig",
@@ -49,6 +54,7 @@ __all__ = [
     "parse_size",
     "prefix_from_env",
     "redis_url_from_env",
+    "resolve_gateway_config",
     "resolve_worker_config",
     "worker_config",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from tokenfleet.config.settings import setting
 
@@ -30,6 +31,11 @@ class EngineConfig:
         choices=ENGINE_BACKENDS,
         flag="engine",
     )
+    served_model_name: str | None = setting(
+        None,
+        "The name clients ask for (OpenAI's `model`; default: the model directory's name).",
+        kind="str",
+    )
     device: str = setting("auto", "auto, cpu, cuda[:N] or npu[:N].")
     dtype: str = setting(
         "auto", "auto: bf16 on accelerators and bf16-capable CPUs, else float32.", choices=DTYPES
@@ -54,6 +60,11 @@ class EngineConfig:
     paged_kernel: bool = setting(
         True, "CPU: attention in tokenfleet's C++ kernels (built once per machine); off: gather + SDPA."
     )
+
+    @property
+    def served_name(self) -> str:
+        """What the worker announces as its model."""
+        return self.served_model_name or Path(self.model or "model").name
 
     def __post_init__(self) -> None:
         if self.backend not in ENGINE_BACKENDS:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tokenfleet.config.gateway import GatewayConfig
 from tokenfleet.config.settings import ENV_PREFIX, Spec, build, specs
 from tokenfleet.config.worker import DEFAULT_PREFIX, DEFAULT_REDIS_URL, WorkerConfig
 
@@ -27,15 +28,17 @@ PROFILES: dict[str, dict[str, Any]] = {
 
 WORKER_SETTINGS: tuple[Spec, ...] = tuple(specs(WorkerConfig))
 """Every worker setting, flat, by flag name (the CLI makes one option of each)."""
+GATEWAY_SETTINGS: tuple[Spec, ...] = tuple(specs(GatewayConfig))
+"""Every gateway setting, the same way."""
 
 
-def load_config_file(path: str) -> dict[str, Any]:
+def load_config_file(path: str, table: str = "worker") -> dict[str, Any]:
     """Settings from a TOML file: keys are flag names (dashes or underscores), at the top level or
-    under ``[worker]``."""
+    under ``[<table>]`` (``[worker]``, ``[gateway]``)."""
     with open(path, "rb") as f:
         data = tomllib.load(f)
-    table = data.get("worker", data)
-    return {str(k).replace("-", "_"): v for k, v in table.items() if not isinstance(v, dict)}
+    chosen = data.get(table, data)
+    return {str(k).replace("-", "_"): v for k, v in chosen.items() if not isinstance(v, dict)}
 
 
 def resolve_worker_config(
@@ -51,15 +54,41 @@ def resolve_worker_config(
     profile_name = profile or environ.get(ENV_PREFIX + "PROFILE") or from_file.pop("profile", None)
     if profile_name is not None and profile_name not in PROFILES:
         raise ValueError(f"unknown profile {profile_name!r}; use one of {sorted(PROFILES)}")
-    unknown = set(from_file) - {spec.name for spec in WORKER_SETTINGS}
+    layers = [(f"profile {profile_name}", PROFILES.get(profile_name or "", {}))]
+    config: WorkerConfig = _resolve(
+        WorkerConfig, WORKER_SETTINGS, flags, environ, config_file, from_file, layers
+    )
+    return config
+
+
+def resolve_gateway_config(
+    flags: Mapping[str, Any], environ: Mapping[str, str] | None = None, config_file: str | None = None
+) -> GatewayConfig:
+    """The gateway's config from its layers (no profiles; ``[gateway]`` in a TOML file)."""
+    environ = os.environ if environ is None else environ
+    from_file = load_config_file(config_file, "gateway") if config_file else {}
+    config: GatewayConfig = _resolve(
+        GatewayConfig, GATEWAY_SETTINGS, flags, environ, config_file, from_file, []
+    )
+    return config
+
+
+def _resolve(
+    cls: type,
+    settings: tuple[Spec, ...],
+    flags: Mapping[str, Any],
+    environ: Mapping[str, str],
+    config_file: str | None,
+    from_file: Mapping[str, Any],
+    lower: Sequence[tuple[str, Mapping[str, Any]]],
+) -> Any:
+    """Each setting from the first layer that has it: flag, environment, file, ``lower`` layers."""
+    unknown = set(from_file) - {spec.name for spec in settings}
     if unknown:
         raise ValueError(f"unknown settings in {config_file}: {', '.join(sorted(unknown))}")
-    layers: list[tuple[str, Mapping[str, Any]]] = [
-        ("--config", from_file),
-        (f"profile {profile_name}", PROFILES.get(profile_name or "", {})),
-    ]
+    layers = [("--config", from_file), *lower]
     values: dict[str, Any] = {}
-    for spec in WORKER_SETTINGS:
+    for spec in settings:
         if flags.get(spec.name) is not None:
             values[spec.name] = spec.parse(flags[spec.name], spec.flag)
             continue
@@ -68,8 +97,7 @@ def resolve_worker_config(
         )
         if found is not None:
             values[spec.name] = spec.parse(found[1], found[0])
-    config: WorkerConfig = build(WorkerConfig, values)
-    return config
+    return build(cls, values)
 
 
 def worker_config(**settings: Any) -> WorkerConfig:

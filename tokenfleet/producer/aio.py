@@ -72,18 +72,21 @@ class AsyncClient(ClientBase):
         """Enqueue a chat (see :meth:`Client.chat`)."""
         return await self.submit(request_id=request_id, messages=messages, **params)
 
-    async def events(self, request_id: str, timeout: float | None = None) -> AsyncIterator[ReplyEvent]:
-        """The request's reply events in order, until its terminal one; raises
+    async def events(
+        self, request_id: str, timeout: float | None = None, after: str = "0"
+    ) -> AsyncIterator[ReplyEvent]:
+        """The request's reply events in order, until its terminal one, from the one past
+        ``after`` (a reply-stream id: an event's ``stream_id``, to resume a dropped stream); raises
         :class:`~tokenfleet.errors.ResultTimeout` when ``timeout`` seconds pass first."""
         key = self.keys.reply_stream(request_id)
         # Cluster (reply streams on different slots), or this request already followed here (a
         # second reader of it): an XREAD of its own
         if self._replies is None or self._replies.following(key):
-            async for event in self._events_one_read_each(request_id, timeout):
+            async for event in self._events_one_read_each(request_id, timeout, after):
                 yield event
             return
         deadline = None if timeout is None else time.monotonic() + timeout
-        inbox = await self._replies.follow(key)
+        inbox = await self._replies.follow(key, after)
         # one timer per request, not one per wait (a timer armed and cancelled for every event
         # was a quarter of the client's CPU per event): at the deadline it hands the inbox the
         # timeout, which ends a wait for entries as a connection error does
@@ -108,11 +111,11 @@ class AsyncClient(ClientBase):
             self._replies.unfollow(key)
 
     async def _events_one_read_each(
-        self, request_id: str, timeout: float | None
+        self, request_id: str, timeout: float | None, after: str
     ) -> AsyncIterator[ReplyEvent]:
         key = self.keys.reply_stream(request_id)
         deadline = None if timeout is None else time.monotonic() + timeout
-        last: Any = "0"
+        last: Any = after
         outage = Outage()
         while True:
             try:

@@ -1,12 +1,13 @@
 """Bulk jobs: a JSONL file of prompts through the fleet, results in input order, resumable.
 
-Each input line is a JSON string (the prompt) or an object with ``prompt`` or ``input_ids`` and
-any request parameters. Request ids are derived from the input's content and line number, so a
-run interrupted at any point and started again reads back what the fleet already finished (or
-is still running) instead of submitting it twice, and appends only what the output lacks.
+Two input formats: tokenfleet's (each line a JSON string, the prompt, or an object with
+``prompt``, ``input_ids`` or ``messages`` and any request field) and OpenAI's Batch API lines
+(``custom_id``, ``method``, ``url``, ``body``), whose results are written in OpenAI's output
+format. Request ids derive from the input's content and line number, so a run interrupted at any
+point and started again reads back what the fleet already finished (or still runs) instead of
+submitting it twice, and appends only what the output lacks.
 
-``enqueue_batch`` runs the same as an RQ job, serialized as JSON (never pickle), for a user who
-wants to fire it and fetch its status and output later with RQ's own tools.
+``enqueue_batch`` runs the same as an RQ job, serialized as JSON (never pickle).
 """
 
 from __future__ import annotations
@@ -14,39 +15,112 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tokenfleet.errors import RequestFailed
+from tokenfleet.producer.openai_format import Completion
+from tokenfleet.producer.result import Result
 
 DEFAULT_WINDOW = 64
 
 
-def read_inputs(path: str, defaults: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Every line of a JSONL input, each checked against the protocol before anything is
-    submitted (a bad line found halfway would leave earlier requests running with no results
-    written); raises ``ValueError`` naming ``file:line``."""
-    from tokenfleet import protocol
-    from tokenfleet.errors import ProtocolError
+@dataclass(frozen=True)
+class Job:
+    """One input line: the requests it makes (id and submit arguments), in choice order."""
 
+    requests: list[tuple[str, dict[str, Any]]]
+    custom_id: str | None = None  # OpenAI's lines: the caller's own id, echoed in the output
+    completion: Completion | None = None  # OpenAI's lines: what the output's body is built from
+
+
+def read_inputs(path: str, defaults: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every line of a JSONL input, each checked before anything is submitted (a bad line found
+    halfway would leave earlier requests running with no results written); raises ``ValueError``
+    naming ``file:line``."""
     items = []
     for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
             item = json.loads(line)
+            items.append(_checked(item, defaults))
         except ValueError as e:
-            raise ValueError(f"{path}:{n}: not JSON: {e}") from e
-        item = {"prompt": item} if isinstance(item, str) else item
-        if not isinstance(item, dict):
-            raise ValueError(f"{path}:{n}: expected a string or an object")
-        try:  # the id is ours (derived from the line); every other field as a worker would check it
-            protocol.validate_request({**(defaults or {}), **item, "id": "check"})
-        except ProtocolError as e:
-            raise ValueError(f"{path}:{n}: {e.message}") from e
-        items.append(item)
+            raise ValueError(f"{path}:{n}: {e}") from e
     return items
+
+
+def _checked(item: Any, defaults: dict[str, Any] | None) -> dict[str, Any]:
+    from tokenfleet import protocol
+    from tokenfleet.errors import ProtocolError
+    from tokenfleet.producer.openai_format import body_of_line
+
+    item = {"prompt": item} if isinstance(item, str) else item
+    if not isinstance(item, dict):
+        raise ValueError("expected a string or an object")
+    if "custom_id" in item:
+        body_of_line(item)  # raises ValueError with pydantic's reason
+        return item
+    try:  # the id is ours (derived from the line); every other field as a worker would check it
+        protocol.validate_request({**(defaults or {}), **item, "id": "check"})
+    except ProtocolError as e:
+        raise ValueError(e.message) from e
+    return item
+
+
+def jobs_of(items: list[dict[str, Any]], prefix: str, defaults: dict[str, Any] | None) -> list[Job]:
+    """Each line's requests, with ids ``<prefix>-<line>`` (and ``.<choice>`` for OpenAI's)."""
+    from tokenfleet.producer.openai_format import body_of_line
+
+    jobs = []
+    for i, item in enumerate(items):
+        if "custom_id" in item:
+            kind, body = body_of_line(item)
+            completion = Completion.of(f"{prefix}-{i}", kind, body)
+            jobs.append(Job(completion.submissions(body), str(item["custom_id"]), completion))
+        else:
+            args = {**(defaults or {}), **item}
+            args.pop("id", None)
+            jobs.append(Job([(f"{prefix}-{i}", args)]))
+    return jobs
+
+
+def run_windowed(
+    client: Any,
+    jobs: Sequence[Job],
+    on_result: Callable[[int, list[Result] | RequestFailed], None],
+    window: int = DEFAULT_WINDOW,
+    timeout: float | None = 3600,
+    start: int = 0,
+    stop: Callable[[], bool] = lambda: False,
+) -> None:
+    """Submit ``jobs[start:]`` (each request only if its reply stream does not exist yet) with at
+    most ``window`` jobs in flight, and hand each job's results to ``on_result`` in input order.
+    ``stop()`` is asked before each submit (a cancelled batch stops submitting)."""
+    pending: deque[int] = deque()
+
+    def drain_one() -> None:
+        i = pending.popleft()
+        try:
+            on_result(i, [client.result(rid, timeout=timeout) for rid, _ in jobs[i].requests])
+        except RequestFailed as e:
+            on_result(i, e)
+
+    for i in range(start, len(jobs)):
+        if stop():
+            break
+        for request_id, args in jobs[i].requests:
+            if not client.redis.exists(client.keys.reply_stream(request_id)):
+                args = dict(args)
+                prompt, input_ids = args.pop("prompt", None), args.pop("input_ids", None)
+                client.submit(prompt, input_ids=input_ids, request_id=request_id, **args)
+        pending.append(i)
+        if len(pending) >= window:
+            drain_one()
+    while pending:
+        drain_one()
 
 
 def rq_queue(prefix: str) -> str:
@@ -87,48 +161,39 @@ def run_batch(
 ) -> dict[str, int]:
     """Run every input line through ``client`` (a producer Client), writing results in input
     order; returns counts. ``progress(n)`` is called as results are written."""
-    items = read_inputs(input_path, defaults)
-    prefix = batch_id(input_path)
+    from tokenfleet.producer.openai_format import output_line
+
+    jobs = jobs_of(read_inputs(input_path, defaults), batch_id(input_path), defaults)
     start = _done_lines(output_path)
     if progress and start:
         progress(start)
-    pending: deque[tuple[int, str]] = deque()
-    counts = {"total": len(items), "skipped": start, "done": 0, "failed": 0}
+    counts = {"total": len(jobs), "skipped": start, "done": 0, "failed": 0}
     with open(output_path, "a") as out:
 
-        def submit(i: int) -> None:
-            request_id = f"{prefix}-{i}"
-            if not client.redis.exists(client.keys.reply_stream(request_id)):
-                item = {**(defaults or {}), **items[i]}
-                prompt, input_ids = item.pop("prompt", None), item.pop("input_ids", None)
-                item.pop("id", None)
-                client.submit(prompt, input_ids=input_ids, request_id=request_id, **item)
-            pending.append((i, request_id))
-
-        def drain_one() -> None:
-            i, request_id = pending.popleft()
-            row: dict[str, Any] = {"index": i, "id": request_id}
-            try:
-                res = client.result(request_id, timeout=timeout)
-                row.update(
-                    text=res.text, token_ids=res.token_ids, finish_reason=res.finish_reason, usage=res.usage
-                )
-                counts["done"] += 1
-            except RequestFailed as e:
-                row.update(error={"code": e.code, "message": e.message})
-                counts["failed"] += 1
+        def write(i: int, outcome: list[Result] | RequestFailed) -> None:
+            job = jobs[i]
+            counts["failed" if isinstance(outcome, RequestFailed) else "done"] += 1
+            if job.completion is not None:
+                row = output_line(i, str(job.custom_id), job.completion, outcome)
+            else:
+                row = _row(i, job.requests[0][0], outcome)
             out.write(json.dumps(row) + "\n")
             out.flush()
             if progress:
                 progress(1)
 
-        for i in range(start, len(items)):
-            submit(i)
-            if len(pending) >= window:
-                drain_one()
-        while pending:
-            drain_one()
+        run_windowed(client, jobs, write, window, timeout, start)
     return counts
+
+
+def _row(index: int, request_id: str, outcome: list[Result] | RequestFailed) -> dict[str, Any]:
+    row: dict[str, Any] = {"index": index, "id": request_id}
+    if isinstance(outcome, RequestFailed):
+        row["error"] = {"code": outcome.code, "message": outcome.message}
+    else:
+        res = outcome[0]
+        row.update(text=res.text, token_ids=res.token_ids, finish_reason=res.finish_reason, usage=res.usage)
+    return row
 
 
 def run_batch_job(

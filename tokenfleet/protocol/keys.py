@@ -82,6 +82,23 @@ class Keys:
         """Hash of worker name -> msgpack heartbeat (buckets, device, last seen)."""
         return f"{self.tag}:workers"
 
+    def completion(self, completion_id: str) -> str:
+        """The gateway's record of an OpenAI completion (its kind, model and requests), kept as
+        long as the replies: any replica can resume or replay it."""
+        return f"{self.prefix}:completion:{completion_id}"
+
+    def idempotency(self, key_digest: str) -> str:
+        """The completion an ``Idempotency-Key`` (by its SHA-256) stands for, for a while."""
+        return f"{self.prefix}:idempotency:{key_digest}"
+
+    def file(self, file_id: str) -> str:
+        """A Batch API file: a hash of its metadata and ``content``."""
+        return f"{self.prefix}:file:{file_id}"
+
+    def batch(self, batch_id: str) -> str:
+        """A Batch API batch: a hash of its state, as ``GET /v1/batches/<id>`` returns it."""
+        return f"{self.prefix}:batch:{batch_id}"
+
     @property
     def patterns(self) -> tuple[str, str]:
         """SCAN/ACL glob patterns that cover every key of this prefix."""

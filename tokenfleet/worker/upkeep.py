@@ -97,6 +97,7 @@ class Upkeep:
             {
                 "buckets": list(self.config.batching.buckets),
                 "engine": self.core.backend,
+                "model": self.config.engine.served_name,
                 "device": facts.device,
                 "dtype": facts.dtype,
                 "mode": self.config.batching.mode,

@@ -1,0 +1,43 @@
+"""``tokenfleet serve``: the OpenAI-compatible HTTP gateway; its options come from the config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from tokenfleet.cli.common import fail, settings_options
+from tokenfleet.config import GATEWAY_SETTINGS, resolve_gateway_config
+
+
+@click.command(short_help="Serve OpenAI's HTTP API over the fleet (stateless; run many).")
+@settings_options(GATEWAY_SETTINGS)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="TOML file of gateway settings (flag names as keys, top level or under [gateway]).",
+)
+@click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
+def serve(config_file: str | None, log_level: str, **flags: Any) -> None:
+    """Serve /v1/completions, /v1/chat/completions, /v1/models, the Batch API (/v1/files,
+    /v1/batches), /health and /metrics over this fleet's queue. All state is in Redis: run as
+    many replicas as you like behind a load balancer; a stream dropped by one resumes on another
+    (Last-Event-ID). Every setting comes from a flag, TOKENFLEET_<FLAG>, the --config file or
+    its default.
+    """
+    try:
+        config = resolve_gateway_config(flags, config_file=config_file)
+    except ValueError as e:
+        fail(str(e))
+    import uvicorn
+
+    from tokenfleet.gateway.app import create_app
+
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=log_level.lower())

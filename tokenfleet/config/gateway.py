@@ -1,0 +1,52 @@
+"""``tokenfleet serve``'s settings: where it listens, who may call it, how long it waits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenfleet.config.settings import section, setting
+from tokenfleet.config.worker import RedisConfig
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The OpenAI-compatible gateway. It holds no state of its own: run as many as you like."""
+
+    host: str = setting("127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
+    port: int = setting(8000, "Port to listen on.")
+    model: str | None = setting(
+        None,
+        "A model directory whose tokenizer.json picks the bucket here (else workers tokenize).",
+        kind="path",
+    )
+    api_keys: str | None = setting(
+        None,
+        "Comma-separated API keys; requests must send one as `Authorization: Bearer KEY` (default: "
+        "none needed). Prefer the environment (TOKENFLEET_API_KEYS) to the command line.",
+        kind="str",
+    )
+    request_timeout_s: float = setting(
+        600.0, "Longest a request may take end to end; past it the worker drops it (deadline)."
+    )
+    default_max_tokens: int = setting(
+        256, "Chat completions' max_tokens when a request gives none (completions: 16, as OpenAI)."
+    )
+    idempotency_ttl_s: int = setting(24 * 3600, "How long an Idempotency-Key keeps pointing at its request.")
+    max_file_bytes: int = setting(64 << 20, "Largest file the Batch API accepts, e.g. 64MiB.", kind="size")
+    batch_jobs: bool = setting(
+        True, "Run Batch API jobs in this process too (an RQ worker thread; each job runs once)."
+    )
+    redis: RedisConfig = section(RedisConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1-65535, got {self.port!r}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s!r}")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens!r}")
+
+    @property
+    def keys(self) -> frozenset[str]:
+        """The accepted API keys (empty: no key needed)."""
+        return frozenset(k.strip() for k in (self.api_keys or "").split(",") if k.strip())

@@ -1,0 +1,164 @@
+"""The gateway's FastAPI app: routes, API keys, Prometheus metrics, health, and the Batch API's
+job runner thread."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokenfleet.config import GatewayConfig
+from tokenfleet.gateway import batches, completions, errors, files
+from tokenfleet.gateway.errors import APIError
+from tokenfleet.gateway.service import Service
+
+log = logging.getLogger(__name__)
+OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no key
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.service = Service.start(config)
+        stop = threading.Event()
+        runner = _start_batch_jobs(config, stop) if config.batch_jobs else None
+        try:
+            yield
+        finally:
+            stop.set()
+            if runner is not None:
+                runner.join(timeout=10)
+            await app.state.service.close()
+
+    app = FastAPI(
+        title="tokenfleet", summary="OpenAI-compatible API over a tokenfleet fleet", lifespan=lifespan
+    )
+    errors.install(app)
+    metrics = _Metrics()
+    # plain ASGI, not @app.middleware: that wrapper hides a client's disconnect from the routes
+    app.add_middleware(_Guard, keys=config.keys, metrics=metrics)
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        try:
+            await request.app.state.service.client.redis.ping()
+        except Exception as e:  # Redis down: this replica cannot serve
+            return APIError(503, f"redis unavailable: {e}", "api_error").response()
+        return Response('{"status":"ok"}', media_type="application/json")
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        served = await request.app.state.service.fleet.models()
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "tokenfleet"} for name in sorted(served)
+        ]
+        return {"object": "list", "data": data}
+
+    for router in (completions.router, files.router, batches.router):
+        app.include_router(router)
+    return app
+
+
+class _Guard:
+    """API keys (``Authorization: Bearer``) on every route but the probes', and each request's
+    route, status and time to its response's start counted."""
+
+    def __init__(self, app: ASGIApp, keys: frozenset[str], metrics: _Metrics):
+        self.app, self.keys, self.metrics = app, keys, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                route = getattr(scope.get("route"), "path", "unmatched")
+                self.metrics.observe(route, message["status"], time.perf_counter() - started)
+            await send(message)
+
+        if self.keys and scope["path"] not in OPEN_PATHS and not self._authorized(Headers(scope=scope)):
+            message = "missing or wrong API key (Authorization: Bearer KEY)"
+            await APIError(401, message, "authentication_error", "invalid_api_key").response()(
+                scope, receive, counted
+            )
+            return
+        await self.app(scope, receive, counted)
+
+    def _authorized(self, headers: Headers) -> bool:
+        scheme, _, given = headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and any(
+            hmac.compare_digest(given.strip(), key) for key in self.keys
+        )
+
+
+class _Metrics:
+    """The gateway's own series (each worker exports its own on --metrics-port)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tokenfleet_gateway_requests",
+            "HTTP requests by route and status.",
+            ("route", "status"),
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "tokenfleet_gateway_request_seconds",
+            "Time to the response's headers (streams: to their first event).",
+            ("route",),
+            registry=self.registry,
+        )
+
+    def observe(self, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+        self.latency.labels(route=route).observe(seconds)
+
+
+def _start_batch_jobs(config: GatewayConfig, stop: threading.Event) -> threading.Thread:
+    """An RQ worker thread for Batch API jobs (no fork: a SimpleWorker); every replica may run one,
+    and each job runs once."""
+    import redis as redis_py
+    from rq import Queue, SimpleWorker
+    from rq.serializers import JSONSerializer
+    from rq.timeouts import TimerDeathPenalty
+
+    from tokenfleet.producer.bulk import rq_queue
+
+    class ThreadWorker(SimpleWorker):
+        """RQ's in-process worker, off the main thread: a timer, not SIGALRM, bounds a job, and
+        the process's signals stay uvicorn's."""
+
+        death_penalty_class = TimerDeathPenalty
+
+        def _install_signal_handlers(self) -> None:
+            pass
+
+    def work() -> None:
+        connection = redis_py.Redis.from_url(config.redis.url)
+        queue = Queue(rq_queue(config.redis.prefix), connection=connection, serializer=JSONSerializer)
+        worker = ThreadWorker([queue], connection=connection, serializer=JSONSerializer)
+        while not stop.is_set():
+            try:  # one pass over what is queued, then a short wait: a stop is noticed within a second
+                worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
+            except Exception:  # Redis away: the loop retries; jobs resume by their request ids
+                log.warning("batch job runner failed; retrying", exc_info=True)
+            stop.wait(1.0)
+
+    thread = threading.Thread(target=work, name="tokenfleet-batch-jobs", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,145 @@
+"""The RQ job of a Batch API batch: read its input file, run every line through the fleet with
+the bulk machinery, write the output and error files in OpenAI's format, keep the batch's state
+current for ``GET /v1/batches/<id>``. Plain JSON arguments; sync (an RQ worker runs it)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from tokenfleet.errors import RequestFailed
+from tokenfleet.producer.bulk import DEFAULT_WINDOW, Job, run_windowed
+from tokenfleet.producer.openai_format import Completion, body_of_line, output_line
+from tokenfleet.producer.result import Result
+
+PROGRESS_EVERY_S = 1.0  # how often the batch's counts are written back while it runs
+
+
+def run_openai_batch(redis_url: str, prefix: str, model: str | None, batch_id: str) -> dict[str, int]:
+    from tokenfleet.gateway.files import store
+    from tokenfleet.producer import Client
+
+    with Client(redis_url, model=model, prefix=prefix) as client:
+        state = BatchState(client.redis, client.keys.batch(batch_id))
+        record = state.load()
+        if record["status"] in ("completed", "failed", "cancelled"):
+            return record["request_counts"]  # already ended (a rerun of a finished job)
+        content = client.redis.hget(client.keys.file(record["input_file_id"]), "content")
+        try:
+            jobs = parse(content, record["endpoint"], batch_id)
+        except ValueError as e:
+            state.update(status="failed", failed_at=_now(), errors={"object": "list", "data": [_error(e)]})
+            return record["request_counts"]
+        state.update(status="in_progress", in_progress_at=_now(), request_counts=_counts(len(jobs), 0, 0))
+        outputs: list[dict[str, Any]] = []
+        errors: list[dict[str, Any]] = []
+        stopping: list[bool] = []
+
+        def stop() -> bool:
+            """A cancel asked for: stop submitting, and cancel what still runs (it ends at once)."""
+            if not stopping and state.cancelled():
+                stopping.append(True)
+                done = len(outputs) + len(errors)
+                for job in jobs[done : done + DEFAULT_WINDOW]:  # at most a window is in flight
+                    for request_id, _ in job.requests:
+                        client.cancel(request_id)
+            return bool(stopping)
+
+        def collect(i: int, outcome: list[Result] | RequestFailed) -> None:
+            job = jobs[i]
+            assert job.completion is not None
+            line = output_line(i, str(job.custom_id), job.completion, outcome)
+            (errors if isinstance(outcome, RequestFailed) else outputs).append(line)
+            state.progress(_counts(len(jobs), len(outputs), len(errors)))
+            stop()  # noticed between results too, while the last window drains
+
+        run_windowed(client, jobs, collect, stop=stop)
+        state.update(status="finalizing", finalizing_at=_now())
+        ended: dict[str, Any] = {"request_counts": _counts(len(jobs), len(outputs), len(errors))}
+        if outputs:
+            ended["output_file_id"] = store(
+                client.redis, client.keys, f"{batch_id}_output.jsonl", "batch_output", _jsonl(outputs)
+            )["id"]
+        if errors:
+            ended["error_file_id"] = store(
+                client.redis, client.keys, f"{batch_id}_errors.jsonl", "batch_output", _jsonl(errors)
+            )["id"]
+        if stopping:  # what finished before the cancel is in the files
+            ended.update(status="cancelled", cancelled_at=_now())
+        else:
+            ended.update(status="completed", completed_at=_now())
+        state.update(**ended)
+        return ended["request_counts"]
+
+
+def parse(content: bytes | None, endpoint: str, batch_id: str) -> list[Job]:
+    """The input file's lines as jobs; ``ValueError`` naming the first bad line."""
+    if content is None:
+        raise ValueError("the input file is gone (expired or deleted)")
+    jobs: list[Job] = []
+    seen: set[str] = set()
+    for n, text in enumerate(content.decode("utf-8").splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+            if not isinstance(line, dict) or "custom_id" not in line:
+                raise ValueError("each line needs custom_id, method, url and body")
+            kind, body = body_of_line(line)
+            if line["url"] != endpoint:
+                raise ValueError(f"url {line['url']} is not the batch's endpoint {endpoint}")
+            if line["custom_id"] in seen:
+                raise ValueError(f"custom_id {line['custom_id']!r} appears twice")
+        except ValueError as e:
+            raise ValueError(f"line {n}: {e}") from e
+        seen.add(line["custom_id"])
+        completion = Completion.of(f"{batch_id}-{len(jobs)}", kind, body)
+        jobs.append(Job(completion.submissions(body), str(line["custom_id"]), completion))
+    return jobs
+
+
+class BatchState:
+    """The batch's record in Redis, written as the job moves on."""
+
+    def __init__(self, redis: Any, key: str):
+        self.redis, self.key = redis, key
+        self._written = 0.0
+
+    def load(self) -> dict[str, Any]:
+        raw = self.redis.hget(self.key, "record")
+        if raw is None:
+            raise ValueError(f"no batch at {self.key}")
+        record: dict[str, Any] = json.loads(raw)
+        return record
+
+    def update(self, **fields: Any) -> None:
+        record = self.load()
+        if record["status"] == "cancelling" and fields.get("status") in ("in_progress", "finalizing"):
+            fields.pop("status")  # a cancel asked for meanwhile stands
+        record.update(fields)
+        self.redis.hset(self.key, "record", json.dumps(record))
+
+    def progress(self, counts: dict[str, int]) -> None:
+        if time.monotonic() - self._written >= PROGRESS_EVERY_S:
+            self._written = time.monotonic()
+            self.update(request_counts=counts)
+
+    def cancelled(self) -> bool:
+        return bool(self.redis.hexists(self.key, "cancel"))
+
+
+def _counts(total: int, completed: int, failed: int) -> dict[str, int]:
+    return {"total": total, "completed": completed, "failed": failed}
+
+
+def _error(e: Exception) -> dict[str, Any]:
+    return {"code": "invalid_input", "message": str(e), "param": None, "line": None}
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def _jsonl(rows: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(row) + "\n" for row in rows).encode()

@@ -1,0 +1,198 @@
+"""``POST /v1/completions``, ``POST /v1/chat/completions`` and ``GET /v1/requests/{id}``.
+
+A completion of ``n`` choices is ``n`` tokenfleet requests (per prompt). Streamed, its chunks are
+SSE events with resumable ids; otherwise the gateway waits for every choice's result. A client
+that goes away cancels its requests, unless it sent an ``Idempotency-Key`` or
+``X-Tokenfleet-Keep: 1`` (it means to come back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tokenfleet.gateway.errors import APIError, api_error, reply_error
+from tokenfleet.gateway.service import Service
+from tokenfleet.gateway.streaming import START, Progress, chunks, follow, parse_event_id
+from tokenfleet.producer.openai_format import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    ChatBody,
+    Completion,
+    CompletionBody,
+    Kind,
+)
+from tokenfleet.protocol import ErrorEvent, ReplyEvent
+
+router = APIRouter()
+DISCONNECT_POLL_S = 0.5
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionBody, request: Request) -> JSONResponse | StreamingResponse:
+    return await serve(request, "text", body, COMPLETIONS_DEFAULT_MAX_TOKENS)
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatBody, request: Request) -> JSONResponse | StreamingResponse:
+    service: Service = request.app.state.service
+    return await serve(request, "chat", body, service.config.default_max_tokens)
+
+
+@router.get("/v1/requests/{completion_id}", response_model=None)
+async def replay(
+    completion_id: str, request: Request, stream: bool = False
+) -> JSONResponse | StreamingResponse:
+    """A completion again, from its reply streams, until they expire: streamed or whole."""
+    service: Service = request.app.state.service
+    completion = await service.records.load(completion_id)
+    if completion is None:
+        raise APIError(404, f"no completion {completion_id!r} (expired, or never made)", "not_found_error")
+    progress = Progress([START] * completion.choices)
+    if stream:
+        return await stream_response(service, request, completion, progress, include_usage=True, keep=True)
+    return await whole_response(service, request, completion, keep=True)
+
+
+async def serve(
+    request: Request, kind: Kind, body: CompletionBody | ChatBody, default_max_tokens: int
+) -> JSONResponse | StreamingResponse:
+    service: Service = request.app.state.service
+    headers = request.headers
+    idempotency_key = headers.get("idempotency-key")
+    keep = idempotency_key is not None or headers.get("x-tokenfleet-keep", "").lower() in ("1", "true")
+    last_event_id = headers.get("last-event-id")
+    if last_event_id:  # a dropped stream, picked up here
+        completion, positions = await resumed(service, last_event_id)
+        progress = Progress(positions)
+    else:
+        completion = await submit(service, kind, body, default_max_tokens, idempotency_key)
+        progress = Progress([START] * completion.choices)
+    if body.stream:
+        return await stream_response(service, request, completion, progress, body.include_usage, keep)
+    return await whole_response(service, request, completion, keep)
+
+
+async def resumed(service: Service, last_event_id: str) -> tuple[Completion, list[str]]:
+    try:
+        completion_id, positions = parse_event_id(last_event_id)
+    except ValueError as e:
+        raise APIError(400, str(e), param="Last-Event-ID") from e
+    completion = await service.records.load(completion_id)
+    if completion is None or len(positions) != completion.choices:
+        raise APIError(404, f"no completion {completion_id!r} to resume (expired?)", "not_found_error")
+    return completion, positions
+
+
+async def submit(
+    service: Service,
+    kind: Kind,
+    body: CompletionBody | ChatBody,
+    default_max_tokens: int,
+    idempotency_key: str | None,
+) -> Completion:
+    """Enqueue the completion's requests, or attach to those an Idempotency-Key already made."""
+    await service.fleet.require(body.model)
+    try:
+        completion = Completion.new(kind, body)
+        deadline_ms = int((time.time() + service.config.request_timeout_s) * 1000)
+        submissions = completion.submissions(body, default_max_tokens, deadline_ms=deadline_ms)
+    except ValueError as e:
+        raise APIError(400, str(e)) from e
+    if idempotency_key is not None:
+        existing = await service.records.claim(idempotency_key, completion)
+        if existing is not None:
+            return existing
+    await service.records.save(completion)
+    handles = []
+    try:
+        for request_id, args in submissions:
+            handles.append(await service.client.submit(request_id=request_id, **args))
+    except Exception as e:
+        for handle in handles:
+            await handle.cancel()
+        if idempotency_key is not None:
+            await service.records.release(idempotency_key)
+        raise api_error(e) from e
+    return completion
+
+
+async def stream_response(
+    service: Service,
+    request: Request,
+    completion: Completion,
+    progress: Progress,
+    include_usage: bool,
+    keep: bool,
+) -> JSONResponse | StreamingResponse:
+    """The SSE stream; its status waits for the first event, so a request that fails at once
+    (too long a prompt, say) gets its HTTP error rather than a 200 with an error inside."""
+    events = follow(service.client, completion, progress, service.config.request_timeout_s)
+    first: tuple[int, ReplyEvent] | None = None
+    try:
+        first = await events.__anext__()
+    except StopAsyncIteration:
+        pass
+    except Exception as e:
+        raise api_error(e) from e
+    if first is not None and isinstance(first[1], ErrorEvent):
+        await events.aclose()  # stops following the other choices
+        await cancel(service, completion)
+        raise reply_error(first[1].code, first[1].message)
+
+    async def replayed() -> AsyncIterator[tuple[int, ReplyEvent]]:
+        if first is not None:
+            yield first
+        async for item in events:
+            yield item
+
+    async def body() -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            async for chunk in chunks(service.client, completion, progress, replayed(), include_usage):
+                yield chunk
+            finished = True
+        finally:
+            if not finished and not keep and progress.pending:  # the client went away
+                service.spawn(cancel(service, completion))
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def whole_response(
+    service: Service, request: Request, completion: Completion, keep: bool
+) -> JSONResponse:
+    """Wait for every choice's result; a client that goes away meanwhile cancels them."""
+    timeout = service.config.request_timeout_s
+    results = asyncio.gather(*(service.client.result(rid, timeout) for rid in completion.request_ids))
+    watcher = None if keep else asyncio.create_task(_watch_disconnect(request, results))
+    try:
+        done = await results
+    except asyncio.CancelledError:
+        await cancel(service, completion)
+        raise APIError(499, "the client closed the request", code="cancelled") from None
+    except Exception as e:
+        raise api_error(e) from e
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+    return JSONResponse(completion.response(list(done)))
+
+
+async def _watch_disconnect(request: Request, results: asyncio.Future[Any]) -> None:
+    while not results.done():
+        if await request.is_disconnected():
+            results.cancel()
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def cancel(service: Service, completion: Completion) -> None:
+    with contextlib.suppress(Exception):  # best effort: the requests' deadlines end them anyway
+        for request_id in completion.request_ids:
+            await service.client.cancel(request_id)

@@ -1,0 +1,86 @@
+"""Errors in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) with the status
+its clients act on: 400 invalid, 401 no key, 404 unknown, 429 queue full (retried after
+``Retry-After``), 503 no worker, 504 past the deadline (not to be retried)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from tokenfleet.errors import ProtocolError, QueueFull, RequestFailed, ResultTimeout
+from tokenfleet.producer.openai_format import CLIENT_ERROR_CODES
+from tokenfleet.protocol import ErrorCode
+
+QUEUE_FULL_RETRY_AFTER_S = 1
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def api_error(error: Exception) -> APIError:
+    """What an exception from the client side of tokenfleet means to an HTTP caller."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, QueueFull):
+        retry = {"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)}
+        return APIError(429, str(error), "rate_limit_error", "queue_full", headers=retry)
+    if isinstance(error, RequestFailed):
+        return reply_error(error.code, error.message)
+    if isinstance(error, ResultTimeout):
+        return deadline_error(str(error))
+    if isinstance(error, ProtocolError):
+        return APIError(400, error.message, code=error.code)
+    if isinstance(error, ValueError):
+        return APIError(400, str(error), code=ErrorCode.INVALID_REQUEST)
+    return APIError(500, f"{type(error).__name__}: {error}", "api_error", ErrorCode.INTERNAL)
+
+
+def reply_error(code: str, message: str) -> APIError:
+    """An ``error`` reply event as an HTTP error."""
+    if code == ErrorCode.DEADLINE_EXCEEDED:
+        return deadline_error(message)
+    if code in CLIENT_ERROR_CODES:
+        return APIError(400, message, code=code)
+    return APIError(500, message, "api_error", code)
+
+
+def deadline_error(message: str) -> APIError:
+    return APIError(504, message, "timeout", ErrorCode.DEADLINE_EXCEEDED, headers={"x-should-retry": "false"})
+
+
+def install(app: FastAPI) -> None:
+    """Every error the app raises, answered in OpenAI's shape."""
+
+    @app.exception_handler(APIError)
+    async def _api(_: Request, error: APIError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:])
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg"))
+        return APIError(400, message, param=where or None, code=ErrorCode.INVALID_REQUEST).response()

@@ -1,0 +1,39 @@
+"""What every route of one gateway process shares: its settings, one asyncio client (one XREAD
+for every reply stream it follows), the completion records and the view of the fleet."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenfleet.config import GatewayConfig
+from tokenfleet.gateway.fleet import Fleet
+from tokenfleet.gateway.records import Records
+from tokenfleet.producer import AsyncClient
+
+
+@dataclass
+class Service:
+    config: GatewayConfig
+    client: AsyncClient
+    records: Records
+    fleet: Fleet
+
+    @classmethod
+    def start(cls, config: GatewayConfig) -> Service:
+        client = AsyncClient(config.redis.url, model=config.model, prefix=config.redis.prefix)
+        records = Records(client.redis, client.keys, config.idempotency_ttl_s)
+        return cls(config, client, records, Fleet(client.redis, client.keys))
+
+    background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` after the response is gone (a task kept until it ends)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def close(self) -> None:
+        await self.client.close()

@@ -1,0 +1,135 @@
+"""Server-sent events in OpenAI's chunk format, each carrying an ``id:`` that names the completion
+and where each of its choices has got to on its reply stream. A client that reconnects with
+``Last-Event-ID``, to any replica, gets the rest with no gap and no repeat."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenfleet.gateway.errors import api_error, reply_error
+from tokenfleet.producer import AsyncClient
+from tokenfleet.producer.openai_format import Completion
+from tokenfleet.protocol import TERMINAL_EVENT_ID, DoneEvent, ErrorEvent, ReplyEvent, TokenEvent, decode_event
+
+START = "0"  # a reply stream's position before its first event
+
+
+def event_id(completion: Completion, positions: list[str]) -> str:
+    """``<completion id>/<position of choice 0>,<position of choice 1>,...``"""
+    return f"{completion.id}/{','.join(positions)}"
+
+
+def parse_event_id(value: str) -> tuple[str, list[str]]:
+    """The completion id and positions of an ``id:`` this gateway sent; ``ValueError`` otherwise."""
+    completion_id, sep, positions = value.partition("/")
+    if not sep or not completion_id or not positions:
+        raise ValueError(f"Last-Event-ID {value!r} is not one of this API's event ids")
+    return completion_id, positions.split(",")
+
+
+@dataclass
+class Progress:
+    """Where a streamed completion stands: each choice's position, whether it has begun (chat's
+    first delta carries the role), and the usage of those that are done."""
+
+    positions: list[str]
+    usage: dict[int, DoneEvent] = field(default_factory=dict)
+
+    @property
+    def pending(self) -> list[int]:
+        return [k for k, p in enumerate(self.positions) if p != TERMINAL_EVENT_ID]
+
+
+async def follow(
+    client: AsyncClient, completion: Completion, progress: Progress, timeout: float
+) -> AsyncGenerator[tuple[int, ReplyEvent], None]:
+    """Every choice's events past its position, merged in arrival order."""
+    queue: asyncio.Queue[tuple[int, ReplyEvent | BaseException | None]] = asyncio.Queue()
+
+    async def one(k: int) -> None:
+        try:
+            async for event in client.events(completion.request_id(k), timeout, after=progress.positions[k]):
+                await queue.put((k, event))
+            await queue.put((k, None))
+        except BaseException as e:  # handed over, raised where the stream is read
+            await queue.put((k, e))
+
+    tasks = [asyncio.create_task(one(k)) for k in progress.pending]
+    try:
+        for _ in range(len(tasks)):
+            while True:
+                k, item = await queue.get()
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield k, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def done_events(client: AsyncClient, completion: Completion, progress: Progress) -> None:
+    """Read the ``done`` events of choices that ended before a resumed stream (for its usage)."""
+    for k, position in enumerate(progress.positions):
+        if position == TERMINAL_EVENT_ID and k not in progress.usage:
+            key = client.keys.reply_stream(completion.request_id(k))
+            for _, fields in await client.redis.xrange(key, min=TERMINAL_EVENT_ID, max=TERMINAL_EVENT_ID):
+                event = decode_event(fields)
+                if isinstance(event, DoneEvent):
+                    progress.usage[k] = event
+
+
+def sse(data: dict[str, Any] | str, event_id: str | None = None) -> bytes:
+    lines = [] if event_id is None else [f"id: {event_id}"]
+    lines.append("data: " + (data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))))
+    return ("\n".join(lines) + "\n\n").encode()
+
+
+async def chunks(
+    client: AsyncClient,
+    completion: Completion,
+    progress: Progress,
+    events: AsyncIterator[tuple[int, ReplyEvent]],
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    """The SSE body: a chunk per token event, a closing chunk per choice with its finish reason,
+    the usage when asked, ``[DONE]``. An error after the first chunk ends the stream with an
+    ``error`` event (OpenAI's clients raise it)."""
+    begun = {k for k, p in enumerate(progress.positions) if p != START}
+    try:
+        async for k, event in events:
+            progress.positions[k] = event.stream_id
+            ident = event_id(completion, progress.positions)
+            if isinstance(event, TokenEvent):
+                yield sse(completion.chunk(k, event.text, event.ids, first=k not in begun), ident)
+                begun.add(k)
+            elif isinstance(event, DoneEvent):
+                progress.usage[k] = event
+                yield sse(
+                    completion.chunk(k, "", [], first=k not in begun, finish=event.finish_reason), ident
+                )
+                begun.add(k)
+            elif isinstance(event, ErrorEvent):
+                yield sse(reply_error(event.code, event.message).body(), ident)
+                break
+    except Exception as e:  # a lost connection past the retries, the request's timeout
+        yield sse(api_error(e).body())
+    if include_usage and not progress.pending:
+        await done_events(client, completion, progress)
+        yield sse(
+            completion.usage_chunk(usage_of(completion, progress)), event_id(completion, progress.positions)
+        )
+    yield sse("[DONE]")
+
+
+def usage_of(completion: Completion, progress: Progress) -> dict[str, int]:
+    """Prompt tokens once per prompt (its ``n`` choices share it), completion tokens of all."""
+    done = progress.usage
+    prompt = sum(e.prompt_tokens for k, e in done.items() if k % completion.n == 0)
+    generated = sum(e.completion_tokens for e in done.values())
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}

@@ -1,0 +1,260 @@
+"""OpenAI's completion and chat formats, translated to tokenfleet requests and back: one place for
+the gateway, the Batch API and `tokenfleet batch`. No I/O.
+
+A body of ``n`` choices over ``p`` prompts becomes ``p x n`` tokenfleet requests, choice ``k``
+being prompt ``k // n``; their ids are the completion's id and the choice's index.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tokenfleet.errors import RequestFailed
+from tokenfleet.producer.result import Result
+from tokenfleet.protocol import ErrorCode
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS = 256  # a chat without max_tokens (OpenAI's: the context's rest)
+MAX_CHOICES = 16
+# reply codes that are the request's fault (HTTP 400); the rest are the fleet's (500)
+CLIENT_ERROR_CODES = frozenset(
+    {
+        ErrorCode.INVALID_REQUEST,
+        ErrorCode.PROMPT_TOO_LONG,
+        ErrorCode.MAX_SEQ_LEN_EXCEEDED,
+        ErrorCode.CACHE_TOO_SMALL,
+        ErrorCode.UNDECODABLE,
+        ErrorCode.UNSUPPORTED_VERSION,
+        ErrorCode.DUPLICATE_ID,
+    }
+)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Body(BaseModel):
+    """What both endpoints take; fields this release does not use are ignored, as OpenAI's
+    clients send many."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def request_params(self, default_max_tokens: int) -> dict[str, Any]:
+        """Sampling and length settings as tokenfleet request fields."""
+        params: dict[str, Any] = {
+            "max_new_tokens": self.max_completion_tokens or self.max_tokens or default_max_tokens,
+            "temperature": self.temperature if self.temperature is not None else 1.0,
+        }
+        if self.top_p is not None:
+            params["top_p"] = self.top_p
+        if self.seed is not None:
+            params["seed"] = self.seed
+        if self.stop:
+            params["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        if self.ignore_eos:
+            params["ignore_eos"] = True
+        return params
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionBody(_Body):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+    def inputs(self) -> list[dict[str, Any]]:
+        """One tokenfleet input per prompt: ``prompt`` text or ``input_ids``."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [{"prompt": p}]
+        if not p:
+            raise ValueError("prompt is empty")
+        if all(isinstance(x, str) for x in p):
+            return [{"prompt": x} for x in p]
+        if all(isinstance(x, int) for x in p):
+            return [{"input_ids": list(p)}]
+        return [{"input_ids": list(x)} for x in p]  # type: ignore[arg-type]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict[str, Any]] | None = ""
+
+    @field_validator("content")
+    @classmethod
+    def text_only(cls, value: Any) -> str:
+        """Content parts of type ``text`` are joined; other kinds (images, audio) are refused."""
+        if value is None or isinstance(value, str):
+            return value or ""
+        texts = []
+        for part in value:
+            if part.get("type") != "text":
+                raise ValueError(f"content parts of type {part.get('type')!r} are not supported")
+            texts.append(str(part.get("text", "")))
+        return "".join(texts)
+
+
+class ChatBody(_Body):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+
+    def inputs(self) -> list[dict[str, Any]]:
+        return [{"messages": [{"role": m.role, "content": m.content} for m in self.messages]}]
+
+
+Kind = Literal["text", "chat"]
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What identifies a completion across gateway replicas: kept in Redis beside its requests."""
+
+    id: str
+    kind: Kind
+    model: str
+    choices: int  # requests: prompts x n
+    n: int
+    created: int
+
+    @classmethod
+    def of(cls, completion_id: str, kind: Kind, body: CompletionBody | ChatBody) -> Completion:
+        return cls(completion_id, kind, body.model, len(body.inputs()) * body.n, body.n, int(time.time()))
+
+    @classmethod
+    def new(cls, kind: Kind, body: CompletionBody | ChatBody) -> Completion:
+        """A completion with a fresh id (OpenAI's ``cmpl-`` / ``chatcmpl-`` form)."""
+        return cls.of(("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex, kind, body)
+
+    def submissions(
+        self, body: CompletionBody | ChatBody, default_max_tokens: int | None = None, **extra: Any
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """Each choice's request id and submit arguments (``extra``: e.g. a deadline)."""
+        default = default_max_tokens or (
+            CHAT_DEFAULT_MAX_TOKENS if self.kind == "chat" else COMPLETIONS_DEFAULT_MAX_TOKENS
+        )
+        inputs, params = body.inputs(), body.request_params(default)
+        out = []
+        for k in range(self.choices):
+            choice = {**inputs[k // self.n], **params, **extra}
+            if "seed" in choice:  # the n samples of one prompt must differ
+                choice["seed"] += k % self.n
+            out.append((self.request_id(k), choice))
+        return out
+
+    def request_id(self, choice: int) -> str:
+        return f"{self.id}.{choice}"
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [self.request_id(i) for i in range(self.choices)]
+
+    def header(self) -> dict[str, Any]:
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def response(self, results: list[Result]) -> dict[str, Any]:
+        """The whole completion object, from each choice's result."""
+        choices = []
+        for index, res in enumerate(results):
+            choice: dict[str, Any] = {"index": index, "finish_reason": res.finish_reason}
+            if self.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": res.text}
+            else:
+                choice["text"] = res.text
+            choice.update(logprobs=None, token_ids=res.token_ids)
+            choices.append(choice)
+        return {**self.header(), "choices": choices, "usage": self.usage(results)}
+
+    def usage(self, results: list[Result]) -> dict[str, int]:
+        """Prompt tokens once per prompt (its ``n`` choices share it), completion tokens of all."""
+        prompt = sum(res.usage.get("prompt_tokens", 0) for res in results[:: self.n])
+        completion = sum(res.usage.get("completion_tokens", 0) for res in results)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def chunk(
+        self, index: int, text: str, token_ids: list[int], first: bool, finish: str | None = None
+    ) -> dict[str, Any]:
+        """One streamed chunk of choice ``index`` (OpenAI's chunk format)."""
+        header = self.header()
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish, "token_ids": token_ids}
+        if self.kind == "chat":
+            header["object"] = "chat.completion.chunk"
+            choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        else:
+            choice.update(text=text, logprobs=None)
+        return {**header, "choices": [choice]}
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        header = self.header()
+        if self.kind == "chat":
+            header["object"] = "chat.completion.chunk"
+        return {**header, "choices": [], "usage": usage}
+
+
+def body_of_line(line: dict[str, Any]) -> tuple[Kind, CompletionBody | ChatBody]:
+    """A Batch API input line's endpoint and body; ``ValueError`` saying what is wrong."""
+    url, method = line.get("url"), line.get("method", "POST")
+    if method != "POST" or url not in (COMPLETIONS, CHAT_COMPLETIONS):
+        raise ValueError(
+            f"method and url must be POST {COMPLETIONS} or {CHAT_COMPLETIONS}, got {method} {url}"
+        )
+    try:
+        if url == CHAT_COMPLETIONS:
+            return "chat", ChatBody.model_validate(line.get("body"))
+        return "text", CompletionBody.model_validate(line.get("body"))
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise ValueError(f"body.{where}: {first.get('msg')}" if where else str(first.get("msg"))) from None
+
+
+def output_line(
+    index: int, custom_id: str, completion: Completion, outcome: list[Result] | RequestFailed
+) -> dict[str, Any]:
+    """A Batch API output (or error) file line: OpenAI's ``id``, ``custom_id``, ``response`` with
+    its ``status_code`` and ``body``, and ``error``."""
+    if isinstance(outcome, RequestFailed):
+        status = 400 if outcome.code in CLIENT_ERROR_CODES else 500
+        body: dict[str, Any] = {
+            "error": {
+                "message": outcome.message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": outcome.code,
+            }
+        }
+    else:
+        status, body = 200, completion.response(outcome)
+    response = {"status_code": status, "request_id": completion.id, "body": body}
+    return {
+        "id": f"batch_req_{completion.id}_{index}",
+        "custom_id": custom_id,
+        "response": response,
+        "error": None,
+    }
