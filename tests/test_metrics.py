@@ -16,7 +16,7 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "worker"))
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("worker", "engine")))
             samples[(s.name, labels)] = s.value
     return samples
 
@@ -43,8 +43,11 @@ def test_metrics_show_batches_latencies_and_outcomes(run_worker, redis_url, pref
     count = m[("tokenfleet_prefill_batch_size_count", ())]
     mean_batch = m[("tokenfleet_prefill_batch_size_sum", ())] / count
     assert mean_batch > 1, f"no batching visible: {mean_batch}"
-    assert m[("tokenfleet_time_to_first_token_seconds_count", ())] >= 16
-    assert m[("tokenfleet_time_to_first_token_seconds_sum", ())] > 0
+    interactive = (("lane", "interactive"),)
+    assert m[("tokenfleet_time_to_first_token_seconds_count", interactive)] >= 16
+    assert m[("tokenfleet_time_to_first_token_seconds_sum", interactive)] > 0
+    assert m[("tokenfleet_request_queue_time_seconds_count", interactive)] >= 16
+    assert ("tokenfleet_requests_waiting", (("lane", "batch"),)) in m
     assert m[("tokenfleet_inter_token_latency_seconds_count", ())] >= 16 * 9
     assert m[("tokenfleet_generation_tokens_total", ())] >= 160
     assert m[("tokenfleet_requests_finished_total", (("reason", "length"),))] == 16
@@ -52,3 +55,20 @@ def test_metrics_show_batches_latencies_and_outcomes(run_worker, redis_url, pref
     assert m[("tokenfleet_requests_finished_total", (("reason", "cancelled"),))] == 1
     assert m[("tokenfleet_decode_batch_size_count", ())] > 0
     assert m[("tokenfleet_kv_blocks_total", ())] > 0
+    # the vLLM-named twins, labelled with the served model's name, agree with ours
+    model = (("model_name", running.worker.config.engine.served_name),)
+    assert (
+        m[("vllm:time_to_first_token_seconds_count", model)]
+        == m[("tokenfleet_time_to_first_token_seconds_count", interactive)]
+    )
+    assert (
+        m[("vllm:inter_token_latency_seconds_count", model)]
+        == m[("tokenfleet_inter_token_latency_seconds_count", ())]
+    )
+    assert m[("vllm:e2e_request_latency_seconds_count", model)] == 17
+    assert m[("vllm:request_queue_time_seconds_count", model)] >= 16
+    assert m[("vllm:generation_tokens_total", model)] == m[("tokenfleet_generation_tokens_total", ())]
+    assert m[("vllm:request_success_total", (("finished_reason", "length"), *model))] == 16
+    assert m[("vllm:request_success_total", (("finished_reason", "abort"), *model))] == 1
+    assert ("vllm:num_requests_waiting", model) in m and ("vllm:num_requests_running", model) in m
+    assert 0 <= m[("vllm:kv_cache_usage_perc", model)] <= 1

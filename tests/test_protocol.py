@@ -97,6 +97,8 @@ def body(**kw) -> dict:
         dict(prompt=""),
         dict(input_ids=[1, 2]),  # both prompt and input_ids
         dict(reply_ttl_s=0),
+        dict(priority="urgent"),
+        dict(priority=1),
     ],
 )
 def test_invalid_fields_get_an_error_reply_with_stable_code(kw):
@@ -169,3 +171,11 @@ def test_protocol_md_holds_the_enqueue_script_word_for_word():
 
     doc = (Path(__file__).parent.parent / "docs" / "PROTOCOL.md").read_text()
     assert scripts.ENQUEUE.strip() in doc
+
+
+def test_priority_names_a_lane_and_the_default_stays_off_the_wire():
+    req = protocol.validate_request({"id": "p1", "prompt": "hi", "priority": "batch"})
+    assert req.priority == "batch" and req.lane == 1
+    assert protocol.validate_request(req.to_wire()) == req
+    default = protocol.validate_request({"id": "p2", "prompt": "hi"})
+    assert default.priority == "interactive" and default.lane == 0 and "priority" not in default.to_wire()

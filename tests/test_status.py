@@ -20,8 +20,11 @@ def test_status_shows_live_worker_and_queues_matching_redis(run_worker, redis_ur
         # a bucket announced by a worker that is gone: its requests wait, undelivered
         r.sadd(keys.buckets, 128)
         r.xgroup_create(keys.request_stream(128), GROUP, id="0", mkstream=True)
+        r.xgroup_create(keys.request_stream(128, "batch"), GROUP, id="0", mkstream=True)
         for i in range(4):
             r.xadd(keys.request_stream(128), {"id": f"w{i}", "prompt": "waiting"})
+        for i in range(2):
+            r.xadd(keys.request_stream(128, "batch"), {"id": f"b{i}", "prompt": "waiting"})
         r.xadd(keys.request_stream(16), {"m": b"\xc1"})  # junk: dead-lettered
         for _ in range(100):
             if r.xlen(keys.dead_letter):
@@ -49,6 +52,17 @@ def test_status_shows_live_worker_and_queues_matching_redis(run_worker, redis_ur
     assert worker["name"] == running.worker.name and worker["alive"] and worker["buckets"] == [16, 32, 64]
     assert worker["finished"] == 3
     assert report["queues"]["128"]["depth"] == 4 and report["queues"]["128"]["oldest_waiting_s"] >= 0
-    assert report["queues"]["16"] == {"depth": 0, "pending": 0, "oldest_waiting_s": None}
+    assert report["queues"]["16"] == {
+        "bucket": 16,
+        "lane": "interactive",
+        "depth": 0,
+        "pending": 0,
+        "oldest_waiting_s": None,
+    }
+    assert report["queues"]["128:batch"]["depth"] == 2 and report["queues"]["128:batch"]["lane"] == "batch"
     assert report["dead_letters"] == 1 == r.xlen(keys.dead_letter)
     assert running.worker.name[:28] in table.stdout and "dead letters: 1" in table.stdout
+    batch_row = next(
+        line.split() for line in table.stdout.splitlines() if line.startswith("128 ") and "batch" in line
+    )
+    assert batch_row[:3] == ["128", "batch", "2"]

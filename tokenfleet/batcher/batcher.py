@@ -18,13 +18,15 @@ from tokenfleet.protocol import smallest_bucket
 
 @dataclass
 class PendingRequest:
-    """A request waiting for a batch. ``payload`` is the caller's own object, carried untouched."""
+    """A request waiting for a batch. ``payload`` is the caller's own object, carried untouched;
+    ``lane`` is its priority lane's rank (0 goes first)."""
 
     key: Any
     prompt_len: int
     max_new_tokens: int
     arrived: float
     payload: Any = None
+    lane: int = 0
     bucket: int = field(default=0, init=False)
     order: int = field(default=0, init=False)  # arrival order at this batcher: breaks time ties
 
@@ -60,19 +62,29 @@ class Batch:
 
 
 class Batcher:
-    """Holds pending requests per bucket and decides when a batch is due.
+    """Holds pending requests per lane and bucket and decides when a batch is due.
 
     ``next_batch`` applies the dispatch rule of the configured mode; ``take`` hands out waiting
-    requests at once (continuous batching's joiners). Under ``bucket`` padding each batch comes
-    from one bucket and the bucket whose oldest request has waited longest goes first, so a busy
-    bucket cannot starve a quiet one.
+    requests at once (continuous batching's joiners). A batch never mixes lanes, and the highest
+    lane with work goes first; a lower lane's request that has waited ``promote_after_s`` ranks
+    as the highest, so lower lanes never starve. Within a rank, under ``bucket`` padding each
+    batch comes from one bucket and the bucket whose oldest request has waited longest goes
+    first, so a busy bucket cannot starve a quiet one.
     """
 
     def __init__(self, config: DynamicBatchingConfig, clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.clock = clock
-        self._queues: dict[int, deque[PendingRequest]] = {b: deque() for b in config.buckets}
+        self._queues: dict[tuple[int, int], deque[PendingRequest]] = {}
         self._counter = itertools.count()
+        self._waits: dict[int, float] = {}  # lane -> wait, where a TTFT target chose one
+
+    def set_wait(self, lane: int, seconds: float) -> None:
+        """The wait for ``lane``'s batches from now on (``max_wait_ms`` until set)."""
+        self._waits[lane] = seconds
+
+    def wait_of(self, lane: int) -> float:
+        return self._waits.get(lane, self.config.max_wait_s)
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -86,12 +98,16 @@ class Batcher:
             )
         item.bucket = bucket
         item.order = next(self._counter)
-        self._queues[item.bucket].append(item)
+        self._queues.setdefault((item.lane, item.bucket), deque()).append(item)
 
     # -- inspection -----------------------------------------------------------------------------
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
+
+    def waiting_in(self, lane: int) -> int:
+        """Pending requests of one lane."""
+        return sum(len(q) for (item_lane, _), q in self._queues.items() if item_lane == lane)
 
     def pending(self) -> Iterable[PendingRequest]:
         for queue in self._queues.values():
@@ -100,19 +116,39 @@ class Batcher:
     def remove(self, predicate: Callable[[PendingRequest], bool]) -> list[PendingRequest]:
         """Drop and return the pending requests that match (cancelled, expired)."""
         removed: list[PendingRequest] = []
-        for bucket, queue in self._queues.items():
+        for name, queue in self._queues.items():
             keep: deque[PendingRequest] = deque()
             for item in queue:
                 (removed if predicate(item) else keep).append(item)
-            self._queues[bucket] = keep
+            self._queues[name] = keep
         return removed
 
+    def best_rank(self) -> int | None:
+        """The lane the next request to go would go as (None: nothing waits)."""
+        groups = self._groups()
+        if not groups:
+            return None
+        now = self.clock()
+        return min(self._rank(g[0], now) for g in groups)
+
+    def _rank(self, item: PendingRequest, now: float) -> int:
+        """The lane ``item`` goes as: its own, or the highest once it has waited too long."""
+        return 0 if now - item.arrived >= self.config.promote_after_s else item.lane
+
     def _groups(self) -> list[deque[PendingRequest]]:
-        """The queues batches are formed from: one per bucket, or one merged FIFO under ``max``."""
+        """The queues batches are formed from: one per lane and bucket, or one merged queue per
+        lane under ``max`` padding."""
         if self.config.padding == "bucket":
             return [q for q in self._queues.values() if q]
-        merged = sorted(self.pending(), key=lambda it: (it.arrived, it.order))
-        return [deque(merged)] if merged else []
+        lanes: dict[int, list[PendingRequest]] = {}
+        for item in self.pending():
+            lanes.setdefault(item.lane, []).append(item)
+        return [deque(sorted(items, key=lambda it: (it.arrived, it.order))) for items in lanes.values()]
+
+    def _first(self, groups: list[deque[PendingRequest]]) -> deque[PendingRequest]:
+        """The group that goes first: the best-ranked head, then the oldest."""
+        now = self.clock()
+        return min(groups, key=lambda g: (self._rank(g[0], now), g[0].arrived, g[0].order))
 
     def _is_full(self, group: deque[PendingRequest]) -> bool:
         return len(group) >= self.config.max_batch_size
@@ -125,7 +161,7 @@ class Batcher:
             if self._is_full(group):
                 due.append(group[0].arrived)
             elif self.config.mode != "static":
-                due.append(group[0].arrived + self.config.max_wait_s)
+                due.append(group[0].arrived + self.wait_of(group[0].lane))
         return min(due) if due else None
 
     def is_due(self) -> bool:
@@ -144,13 +180,12 @@ class Batcher:
         candidates = []
         for group in self._groups():
             full = self._is_full(group)
-            waited = now >= group[0].arrived + self.config.max_wait_s  # same sum as ready_at
+            waited = now >= group[0].arrived + self.wait_of(group[0].lane)  # same sum as ready_at
             if full or (self.config.mode != "static" and waited):
                 candidates.append(group)
         if not candidates:
             return None
-        oldest = min(candidates, key=lambda g: (g[0].arrived, g[0].order))
-        return self._form(oldest, limit)
+        return self._form(self._first(candidates), limit)
 
     def take(self, limit: int) -> Batch | None:
         """Up to ``limit`` pending requests at once, regardless of the wait (joiners of a running
@@ -158,19 +193,18 @@ class Batcher:
         groups = self._groups()
         if not groups or limit < 1:
             return None
-        oldest = min(groups, key=lambda g: (g[0].arrived, g[0].order))
-        return self._form(oldest, limit)
+        return self._form(self._first(groups), limit)
 
     def requeue(self, items: list[PendingRequest]) -> None:
         """Put dispatched items back at the head of their queues (e.g. no KV room yet), in order."""
         for item in reversed(items):
-            self._queues[item.bucket].appendleft(item)
+            self._queues.setdefault((item.lane, item.bucket), deque()).appendleft(item)
 
     def _form(self, group: deque[PendingRequest], limit: int | None) -> Batch:
         size = min(len(group), self.config.max_batch_size, limit or self.config.max_batch_size)
         chosen = [group[i] for i in range(size)]
         taken = {id(item) for item in chosen}
-        for bucket, queue in self._queues.items():
+        for name, queue in self._queues.items():
             if any(id(item) in taken for item in queue):
-                self._queues[bucket] = deque(item for item in queue if id(item) not in taken)
+                self._queues[name] = deque(item for item in queue if id(item) not in taken)
         return Batch(items=tuple(chosen), padded_len=max(item.prompt_len for item in chosen))

@@ -17,6 +17,7 @@ from tokenfleet.cli.common import (
     redis_url_option,
 )
 from tokenfleet.config import prefix_from_env, redis_url_from_env
+from tokenfleet.protocol import LANES
 
 
 @click.command(short_help="Show workers, queues and dead letters.")
@@ -51,10 +52,11 @@ def format_status(status: dict[str, Any]) -> str:
             f"{w.get('running', 0):>7} {w.get('waiting', 0):>7} "
             f"{w.get('tokens_per_s', 0):>8} {w.get('finished', 0):>7} {kv:>11}"
         )
-    lines += ["", f"{'bucket':<8} {'depth':>7} {'pending':>8} {'oldest waiting':>15}"]
-    for bucket, q in status["queues"].items():
+    lines += ["", f"{'bucket':<8} {'lane':<12} {'depth':>7} {'pending':>8} {'oldest waiting':>15}"]
+    for name, q in status["queues"].items():
         oldest = "-" if q["oldest_waiting_s"] is None else f"{q['oldest_waiting_s']:.1f}s"
-        lines.append(f"{bucket:<8} {q['depth']:>7} {q['pending']:>8} {oldest:>15}")
+        bucket, lane = q.get("bucket", name), q.get("lane", "")
+        lines.append(f"{bucket!s:<8} {lane:<12} {q['depth']:>7} {q['pending']:>8} {oldest:>15}")
     lines += ["", f"dead letters: {status['dead_letters']}"]
     return "\n".join(lines)
 
@@ -74,6 +76,13 @@ def format_status(status: dict[str, Any]) -> str:
 @model_dir_option
 @click.option("--max-new-tokens", type=int, default=None, help="Default for lines that do not set it.")
 @click.option("--window", type=int, default=64, show_default=True, help="Requests in flight at once.")
+@click.option(
+    "--priority",
+    type=click.Choice(LANES),
+    default=LANES[1],
+    show_default=True,
+    help="Priority lane of lines that do not set one: batch queues behind interactive traffic.",
+)
 @click.option("--enqueue", is_flag=True, help="Run it as an RQ job (JSON serializer) and print the job id.")
 def batch(
     input_path: str,
@@ -83,6 +92,7 @@ def batch(
     model_dir: str | None,
     max_new_tokens: int | None,
     window: int,
+    priority: str,
     enqueue: bool,
 ) -> None:
     """Run a JSONL file of prompts through the fleet with a progress bar; results in input order.
@@ -98,7 +108,9 @@ def batch(
     any request failed."""
     from tokenfleet.producer import bulk
 
-    defaults = {"max_new_tokens": max_new_tokens} if max_new_tokens else {}
+    defaults: dict[str, Any] = {"priority": priority}
+    if max_new_tokens:
+        defaults["max_new_tokens"] = max_new_tokens
     url, pre = redis_url_from_env(redis_url), prefix_from_env(prefix)
     with one_line_errors():
         if enqueue:

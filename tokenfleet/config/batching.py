@@ -51,6 +51,21 @@ class DynamicBatchingConfig:
         "decode step between them (earlier first tokens; a longer prompt still starts, alone).",
     )
     max_new_tokens_cap: int = setting(4096, "Largest max_new_tokens a request may ask for.")
+    promote_after_s: float = setting(
+        30.0,
+        "A batch-lane request waiting in a worker this long goes as if it were interactive: the "
+        "interactive lane always goes first, but never starves the batch lane.",
+    )
+
+    ttft_target_ms: float | None = setting(
+        None,
+        "Choose the wait for a batch at run time (0 to max-wait-ms) to keep the interactive lane's "
+        "p90 time to first token under this: the largest batches the target allows.",
+        kind="float",
+    )
+    batch_ttft_target_ms: float | None = setting(
+        None, "The same for the batch lane (without it, the batch lane waits max-wait-ms).", kind="float"
+    )
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_wait_ms, (int, float)) and self.max_wait_ms >= 0):
@@ -73,6 +88,12 @@ class DynamicBatchingConfig:
                 f"buckets: the largest bucket ({buckets[-1]}) must be below max_seq_len ({self.max_seq_len}) "
                 "to leave room for generated tokens"
             )
+        if not (isinstance(self.promote_after_s, (int, float)) and self.promote_after_s >= 0):
+            raise ValueError(f"promote_after_s must be a number >= 0, got {self.promote_after_s!r}")
+        for name in ("ttft_target_ms", "batch_ttft_target_ms"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
         if self.padding not in PADDINGS:
             raise ValueError(f"padding must be one of {PADDINGS}, got {self.padding!r}")
         if self.mode not in MODES:

@@ -38,7 +38,10 @@ class ReliabilityConfig:
         None, "Fail requests that waited longer than this before starting (deadline_exceeded).", kind="float"
     )
     max_queue: int | None = setting(
-        None, "Undelivered requests a bucket may hold; producers then get QueueFull.", kind="int"
+        None, "Undelivered interactive requests a bucket may hold; producers then get QueueFull.", kind="int"
+    )
+    batch_max_queue: int | None = setting(
+        None, "The same for the batch lane (bulk jobs may queue far more).", kind="int"
     )
     trim_interval_s: float = setting(
         5.0, "How often acknowledged entries are trimmed from the request streams."
@@ -51,8 +54,10 @@ class ReliabilityConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts!r}")
         if self.queue_timeout_s is not None and self.queue_timeout_s <= 0:
             raise ValueError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s!r}")
-        if self.max_queue is not None and self.max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {self.max_queue!r}")
+        for name in ("max_queue", "batch_max_queue"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value!r}")
         if self.trim_interval_s <= 0:
             raise ValueError(f"trim_interval_s must be > 0, got {self.trim_interval_s!r}")
 

@@ -104,5 +104,6 @@ class Admission:
         prompt_len, max_new = len(seq.prompt_ids), seq.request.max_new_tokens
         refusal = self.check_tokens(prompt_len, max_new)
         if refusal is None:
-            batcher.add(PendingRequest(seq.key, prompt_len, max_new, arrived, payload=seq))
+            item = PendingRequest(seq.key, prompt_len, max_new, arrived, payload=seq, lane=seq.request.lane)
+            batcher.add(item)
         return refusal

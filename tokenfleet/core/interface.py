@@ -14,8 +14,10 @@ from collections.abc import Collection, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tokenfleet.batcher import Batcher
 from tokenfleet.core.admission import Admission
 from tokenfleet.core.sequence import SeqState
+from tokenfleet.kvcache.allocator import BlockAllocator
 from tokenfleet.protocol import Refusal
 
 
@@ -121,6 +123,7 @@ class EngineCore(Protocol):
     backend: str  # "native" or "vllm", for logs, the heartbeat and ``tokenfleet status``
     facts: ModelFacts
     admission: Admission
+    batcher: Batcher  # who waits and who goes: lanes, buckets, and the wait a TTFT target sets
 
     def add(self, seq: SeqState, arrived: float) -> Refusal | None:
         """Queue a sequence (``arrived``: monotonic time it entered the queue, for max_wait_ms);
@@ -157,6 +160,10 @@ class EngineCore(Protocol):
     @property
     def num_waiting(self) -> int:
         """Taken from the queue, not yet started (the no-hoarding bound applies to this)."""
+        ...
+
+    def waiting_in(self, lane: int) -> int:
+        """Of those, the ones of one priority lane."""
         ...
 
     def capacity(self) -> Capacity: ...
@@ -196,6 +203,11 @@ class MemoryStats:
     block_size: int
     tokens_stored: int
     bytes_per_block: int
+
+    @classmethod
+    def of(cls, alloc: BlockAllocator, bytes_per_block: int) -> MemoryStats:
+        used, stored = alloc.num_used_blocks, alloc.num_tokens_stored
+        return cls(alloc.num_blocks, used, alloc.block_size, stored, bytes_per_block)
 
     @property
     def blocks_free(self) -> int:

@@ -2,10 +2,8 @@
 
 One :meth:`Scheduler.step` is one forward pass: a prefill of newly dispatched (or resumed)
 sequences, or a decode step of every running sequence. Static and dynamic modes run a batch to
-completion before dispatching the next; continuous mode lets waiting requests join at the next
-step, with at least one decode step between two joins. The scheduler owns the block allocator and
-gives the runner each sequence's block table. No Redis here: the worker loop feeds requests in
-and publishes what a step returns.
+completion; continuous mode lets waiting requests join at the next step, with a decode step
+between two joins. The scheduler owns the block allocator. No Redis here.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ from tokenfleet.batcher import Batcher, PendingRequest
 from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.core.admission import Admission, Limits
 from tokenfleet.core.interface import BatchEvent, Capacity, MemoryStats, Runner, StepOutput, TokenOutput
+from tokenfleet.core.lanes import pick_victim, victims_for
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.kvcache.allocator import BlockAllocator
 from tokenfleet.protocol import Refusal
@@ -80,6 +79,9 @@ class Scheduler:
         """Read from Redis, not yet started (the no-hoarding bound applies to this)."""
         return len(self.batcher) + len(self.preempted)
 
+    def waiting_in(self, lane: int) -> int:
+        return self.batcher.waiting_in(lane) + sum(s.request.lane == lane for s in self.preempted)
+
     @property
     def has_work(self) -> bool:
         """A step would run something now."""
@@ -101,13 +103,7 @@ class Scheduler:
         )
 
     def memory_stats(self) -> MemoryStats:
-        return MemoryStats(
-            blocks_total=self.allocator.num_blocks,
-            blocks_used=self.allocator.num_used_blocks,
-            block_size=self.allocator.block_size,
-            tokens_stored=self.allocator.num_tokens_stored,
-            bytes_per_block=self.runner.bytes_per_block,
-        )
+        return MemoryStats.of(self.allocator, self.runner.bytes_per_block)
 
     def check_idle(self) -> None:
         self.allocator.check_integrity()
@@ -147,7 +143,8 @@ class Scheduler:
         if slots <= 0:
             return []
         chosen: list[SeqState] = []
-        if self.preempted:
+        best_new = self.batcher.best_rank()
+        if self.preempted and (best_new is None or self.preempted[0].request.lane <= best_new):
             budget = self._prefill_budget()
             while self.preempted and len(chosen) < slots:
                 tokens = len(self.preempted[0].all_tokens)
@@ -183,11 +180,18 @@ class Scheduler:
 
     def _allocate(self, seq: SeqState, admitted_now: int) -> bool:
         """Give ``seq`` blocks for all its tokens if that leaves one block in reserve per running
-        sequence (so decode can grow before anyone is preempted)."""
+        sequence (so decode can grow before anyone is preempted). In continuous mode, when the
+        pool is full, running sequences of lower lanes are preempted for it if that makes room."""
         alloc = self.allocator
         tokens = len(seq.all_tokens)
         if not alloc.can_allocate(tokens + 1, reserve_blocks=len(self._running) + admitted_now):
-            return False
+            if self.config.mode != "continuous":
+                return False
+            victims = victims_for(alloc, self._running, seq, admitted_now)
+            if not victims:
+                return False
+            for victim in victims:
+                self._preempt(victim, "for a request of a higher lane")
         return alloc.allocate(seq.key, tokens) is not None
 
     def _started(self, seqs: list[SeqState]) -> list[SeqState]:
@@ -235,20 +239,30 @@ class Scheduler:
 
     def _reserve_slots(self) -> None:
         """Append one KV slot per running sequence; when the pool is dry, preempt the youngest
-        running sequence (its blocks freed, recomputed later) and try again."""
+        running sequence of the lowest lane (its blocks freed, recomputed later) and try again."""
         alloc = self.allocator
         i = 0
         while i < len(self._running):
             if alloc.append_slot(self._running[i].key) is not None:
                 i += 1
                 continue
-            victim = self._running.pop()
-            alloc.free(victim.key)
-            victim.preemptions += 1
-            self.preemptions += 1
-            self.preempted.append(victim)
-            self._step_output.preempted.append(victim)
-            log.info("KV pool full: preempted %s after %d tokens", victim.request.id, len(victim.generated))
+            victim = pick_victim(self._running)
+            assert victim is not None
+            if self._running.index(victim) < i:
+                i -= 1  # its new slot is freed with the rest of its blocks
+            self._preempt(victim, "KV pool full")
+
+    def _preempt(self, victim: SeqState, why: str) -> None:
+        """Free ``victim``'s blocks; it resumes later (recomputed), before new requests of its lane."""
+        self._running.remove(victim)
+        self.allocator.free(victim.key)
+        victim.preemptions += 1
+        self.preemptions += 1
+        lane = victim.request.lane
+        at = next((i for i, s in enumerate(self.preempted) if s.request.lane > lane), len(self.preempted))
+        self.preempted.insert(at, victim)
+        self._step_output.preempted.append(victim)
+        log.info("%s: preempted %s after %d tokens", why, victim.request.id, len(victim.generated))
 
     def _advance(self, seqs: list[SeqState], tokens: list[int | None]) -> list[TokenOutput]:
         """Append each sequence's token; a row without one (it could not be sampled) leaves the

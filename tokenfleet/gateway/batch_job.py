@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from tokenfleet.errors import RequestFailed
-from tokenfleet.producer.bulk import DEFAULT_WINDOW, Job, run_windowed
+from tokenfleet.producer.bulk import BULK_LANE, DEFAULT_WINDOW, Job, run_windowed
 from tokenfleet.producer.openai_format import Completion, body_of_line, output_line
 from tokenfleet.producer.result import Result
 
@@ -95,7 +95,7 @@ def parse(content: bytes | None, endpoint: str, batch_id: str) -> list[Job]:
             raise ValueError(f"line {n}: {e}") from e
         seen.add(line["custom_id"])
         completion = Completion.of(f"{batch_id}-{len(jobs)}", kind, body)
-        jobs.append(Job(completion.submissions(body), str(line["custom_id"]), completion))
+        jobs.append(Job(completion.submissions(body, lane=BULK_LANE), str(line["custom_id"]), completion))
     return jobs
 
 

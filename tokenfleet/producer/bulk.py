@@ -25,6 +25,7 @@ from tokenfleet.producer.openai_format import Completion
 from tokenfleet.producer.result import Result
 
 DEFAULT_WINDOW = 64
+BULK_LANE = "batch"  # bulk jobs queue behind interactive traffic unless their lines say otherwise
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ def jobs_of(items: list[dict[str, Any]], prefix: str, defaults: dict[str, Any] |
         if "custom_id" in item:
             kind, body = body_of_line(item)
             completion = Completion.of(f"{prefix}-{i}", kind, body)
-            jobs.append(Job(completion.submissions(body), str(item["custom_id"]), completion))
+            lane = (defaults or {}).get("priority")
+            jobs.append(Job(completion.submissions(body, lane=lane), str(item["custom_id"]), completion))
         else:
             args = {**(defaults or {}), **item}
             args.pop("id", None)

@@ -143,7 +143,7 @@ class Handle:
     @property
     def bucket(self) -> str | None:
         """The bucket it went to (``auto`` when a worker routes it), if submitted here."""
-        return self.stream_key.rsplit(":", 1)[1] if self.stream_key else None
+        return self.stream_key.split(":req:", 1)[1].split(":")[0] if self.stream_key else None
 
     def stream(self, timeout: float | None = None) -> Iterator[Chunk]:
         return self.client.stream(self.id, timeout)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tokenfleet.errors import RequestFailed
 from tokenfleet.producer.result import Result
-from tokenfleet.protocol import ErrorCode
+from tokenfleet.protocol import LANES, ErrorCode
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -59,6 +59,26 @@ class _Body(BaseModel):
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
     stream: bool = False
     stream_options: StreamOptions | None = None
+    service_tier: str | None = None  # OpenAI's: "flex" goes in the batch lane
+    priority: int | str | None = None  # vLLM's extension (> 0: later), or a lane's name
+
+    @field_validator("priority")
+    @classmethod
+    def known_lane(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, str) and value not in LANES:
+            raise ValueError(f"priority must be an integer or one of {', '.join(LANES)}")
+        return value
+
+    def lane(self) -> str | None:
+        """The priority lane the body asks for, if any: a lane's name, vLLM's integer priority
+        (above 0 is the batch lane) or OpenAI's ``service_tier`` (``flex`` is the batch lane)."""
+        if isinstance(self.priority, str):
+            return self.priority
+        if self.priority is not None:
+            return LANES[1] if self.priority > 0 else LANES[0]
+        if self.service_tier == "flex":
+            return LANES[1]
+        return LANES[0] if self.service_tier == "priority" else None
 
     def request_params(self, default_max_tokens: int) -> dict[str, Any]:
         """Sampling and length settings as tokenfleet request fields."""
@@ -152,13 +172,20 @@ class Completion:
         return cls.of(("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex, kind, body)
 
     def submissions(
-        self, body: CompletionBody | ChatBody, default_max_tokens: int | None = None, **extra: Any
+        self,
+        body: CompletionBody | ChatBody,
+        default_max_tokens: int | None = None,
+        lane: str | None = None,
+        **extra: Any,
     ) -> list[tuple[str, dict[str, Any]]]:
-        """Each choice's request id and submit arguments (``extra``: e.g. a deadline)."""
+        """Each choice's request id and submit arguments (``extra``: e.g. a deadline); ``lane``
+        is the priority lane unless the body asks for one (bulk jobs pass the batch lane)."""
         default = default_max_tokens or (
             CHAT_DEFAULT_MAX_TOKENS if self.kind == "chat" else COMPLETIONS_DEFAULT_MAX_TOKENS
         )
         inputs, params = body.inputs(), body.request_params(default)
+        if body.lane() or lane:
+            params["priority"] = body.lane() or lane
         out = []
         for k in range(self.choices):
             choice = {**inputs[k // self.n], **params, **extra}

@@ -66,16 +66,17 @@ def build_request(
 
 
 def target_stream(keys: Keys, request: Request, buckets: list[int]) -> str:
-    """The stream a request goes to: the smallest served bucket that holds its tokens; ``auto``
-    when its length is unknown here or no worker has announced buckets. Too long for every bucket:
-    the largest, so that a worker answers with a clear ``prompt_too_long``."""
+    """The stream a request goes to, in its lane: the smallest served bucket that holds its
+    tokens; ``auto`` when its length is unknown here or no worker has announced buckets. Too long
+    for every bucket: the largest, so that a worker answers with a clear ``prompt_too_long``."""
+    lane = request.priority
     if request.input_ids is None or not buckets:
-        return keys.auto_stream
+        return keys.auto_stream_of(lane)
     n = len(request.input_ids)
     for bucket in sorted(buckets):
         if n <= bucket:
-            return keys.request_stream(bucket)
-    return keys.request_stream(max(buckets))
+            return keys.request_stream(bucket, lane)
+    return keys.request_stream(max(buckets), lane)
 
 
 def next_block_ms(request_id: str, deadline: float | None, timeout: float | None) -> int:
@@ -100,6 +101,7 @@ def queue_full_error(error: Exception) -> QueueFull | None:
 
 
 def enqueue_args(keys: Keys, stream: str, request: Request) -> tuple[list[str], list]:
-    """KEYS and ARGV of :data:`~tokenfleet.protocol.ENQUEUE_SCRIPT` for one request."""
-    bucket = stream.rsplit(":", 1)[1]
-    return [stream, keys.max_queue], [bucket, protocol.pack(request.to_wire())]
+    """KEYS and ARGV of :data:`~tokenfleet.transport.scripts.ENQUEUE` for one request: the stream,
+    the limits hash, the stream's field in it (``128``, ``128:batch``) and the body."""
+    field = stream.split(":req:", 1)[1]
+    return [stream, keys.max_queue], [field, protocol.pack(request.to_wire())]

@@ -14,6 +14,11 @@ GROUP = "workers"
 AUTO_BUCKET = "auto"
 """Pseudo-bucket of the ingress stream for producers that cannot tokenize."""
 
+LANES = ("interactive", "batch")
+"""Priority lanes, highest first. A request names its lane in ``priority`` (default the first);
+each lane has its own request streams, so a flood of one never queues ahead of the other."""
+DEFAULT_LANE = LANES[0]
+
 BODY_FIELD = b"m"
 """Stream field that holds a msgpack body (requests and reply events)."""
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tokenfleet.protocol.constants import AUTO_BUCKET
+from tokenfleet.protocol.constants import AUTO_BUCKET, DEFAULT_LANE, LANES
 
 
 @dataclass(frozen=True)
@@ -30,14 +31,33 @@ class Keys:
         """Hash tag of the keys that must share a cluster slot."""
         return "{" + self.prefix + "}"
 
-    def request_stream(self, bucket: int | str) -> str:
-        """Stream of requests for prompts of at most ``bucket`` tokens (or ``auto``)."""
-        return f"{self.tag}:req:{bucket}"
+    def request_stream(self, bucket: int | str, lane: str = DEFAULT_LANE) -> str:
+        """Stream of ``lane``'s requests for prompts of at most ``bucket`` tokens (or ``auto``):
+        ``{P}:req:<bucket>`` for the default lane, ``{P}:req:<bucket>:<lane>`` for the others."""
+        return f"{self.tag}:req:{self.queue_name(bucket, lane)}"
+
+    @staticmethod
+    def queue_name(bucket: int | str, lane: str = DEFAULT_LANE) -> str:
+        """A request stream's name after ``{P}:req:``: its field in the ``max_queue`` hash, and
+        its row in ``tokenfleet status``."""
+        return str(bucket) if lane == DEFAULT_LANE else f"{bucket}:{lane}"
 
     @property
     def auto_stream(self) -> str:
         """Ingress stream for untokenized prompts; a worker moves each entry to its bucket."""
         return self.request_stream(AUTO_BUCKET)
+
+    def auto_stream_of(self, lane: str) -> str:
+        """``lane``'s ingress stream for untokenized prompts."""
+        return self.request_stream(AUTO_BUCKET, lane)
+
+    def lane_streams(self, buckets: Iterable[int]) -> list[list[str]]:
+        """The request streams a worker serving ``buckets`` reads, lane by lane, highest first:
+        each bucket's, then the lane's ``auto`` stream."""
+        buckets = list(buckets)
+        return [
+            [*(self.request_stream(b, lane) for b in buckets), self.auto_stream_of(lane)] for lane in LANES
+        ]
 
     def reply_stream(self, request_id: str) -> str:
         """Per-request stream of ``token`` events and one terminal ``done``/``error`` event."""

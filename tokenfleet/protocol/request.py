@@ -6,7 +6,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from tokenfleet.protocol.constants import DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPLY_TTL_S, PROTOCOL_VERSION
+from tokenfleet.protocol.constants import (
+    DEFAULT_LANE,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_REPLY_TTL_S,
+    LANES,
+    PROTOCOL_VERSION,
+)
 
 
 @dataclass(frozen=True)
@@ -31,12 +37,18 @@ class Request:
     # when Redis first accepted it (Unix ms), set by the worker that moves an ``auto`` entry to
     # its bucket: the queue time and the max_wait_ms window count from there, not from the move
     enqueued_ms: int | None = None
+    priority: str = DEFAULT_LANE  # one of LANES
     v: int = PROTOCOL_VERSION
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def lane(self) -> int:
+        """The lane's rank: 0 is the highest."""
+        return LANES.index(self.priority)
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack-ready map of this request, without defaults' noise."""
@@ -52,6 +64,8 @@ class Request:
             del body["stop"]
         if not body["stop_token_ids"]:
             del body["stop_token_ids"]
+        if body["priority"] == DEFAULT_LANE:  # older workers need not see it
+            del body["priority"]
         return body
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from tokenfleet.errors import ProtocolError
 from tokenfleet.protocol.constants import (
+    LANES,
     MAX_ID_LEN,
     MAX_INPUT_IDS,
     MAX_MESSAGES,
@@ -37,7 +38,7 @@ FLOAT_FIELDS = {"temperature": (0.0, 100.0), "top_p": (0.0, 1.0)}
 """Number fields and their inclusive ranges."""
 LIST_FIELDS = ("input_ids", "stop", "stop_token_ids", "messages")
 """Fields that hold arrays (JSON arrays in the plain form)."""
-_KNOWN = {*INT_FIELDS, *FLOAT_FIELDS, *LIST_FIELDS, "id", "prompt", "ignore_eos"}
+_KNOWN = {*INT_FIELDS, *FLOAT_FIELDS, *LIST_FIELDS, "id", "prompt", "ignore_eos", "priority"}
 
 _ID_RE = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_ID_LEN}}}")  # fullmatch: no newline slips past a "$"
 
@@ -107,6 +108,10 @@ class _Fields:
             if not isinstance(body["ignore_eos"], bool):
                 raise self.bad("ignore_eos must be a boolean")
             kw["ignore_eos"] = body["ignore_eos"]
+        if body.get("priority") is not None:
+            if body["priority"] not in LANES:
+                raise self.bad(f"priority must be one of {', '.join(LANES)}")
+            kw["priority"] = body["priority"]
         kw["extra"] = {k: v for k, v in body.items() if k not in _KNOWN}
         return Request(**kw)
 

@@ -8,6 +8,7 @@ the caller gives (``max_batch_size`` minus what waits), across all the streams i
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,15 +72,17 @@ def _read_entries(resp: Any) -> list[Entry]:
 
 
 class StreamReader:
-    """Reads new entries for one consumer from several request streams, fairly and bounded."""
+    """Reads new entries for one consumer from the request streams of each priority lane, fairly
+    within a lane and bounded per lane."""
 
-    def __init__(self, client: redis.Redis, streams: list[str], consumer: str):
+    def __init__(self, client: redis.Redis, lanes: Sequence[Sequence[str]], consumer: str):
         self.client = client
-        self.streams = streams
+        self.lanes = [list(streams) for streams in lanes]
+        self.streams = [stream for streams in self.lanes for stream in streams]
         self.consumer = consumer
         self._script = client.register_script(scripts.READ_BOUNDED)
         self._trim = client.register_script(scripts.TRIM_ACKED)
-        self._rotation = itertools.cycle(range(len(streams)))
+        self._rotations = [itertools.cycle(range(len(streams))) for streams in self.lanes]
 
     def ensure_groups(self) -> None:
         """Create the consumer group on every stream, from id 0, so that requests enqueued before
@@ -102,43 +105,57 @@ class StreamReader:
         memory stays bounded on a long run; returns how many were removed."""
         return sum(int(self._trim(keys=[stream], args=[GROUP])) for stream in self.streams)
 
-    def read(self, count: int, block_ms: int | None) -> list[Entry]:
-        """Up to ``count`` new entries. With ``block_ms``, wait that long for the first one (that
-        wait reads at most one entry per stream); the rest is read without waiting. Streams are
-        visited from a rotating start so that a busy stream cannot starve a quiet one."""
-        if count <= 0:
+    def read(self, rooms: Sequence[int], block_ms: int | None) -> list[Entry]:
+        """Up to ``rooms[k]`` new entries of lane ``k``. With ``block_ms``, wait that long for the
+        first one (that wait reads at most one entry per stream); the rest is read without
+        waiting. Within a lane, streams are visited from a rotating start so that a busy stream
+        cannot starve a quiet one."""
+        rooms = list(rooms)
+        if not any(room > 0 for room in rooms):
             return []
         entries: list[Entry] = []
         if block_ms is not None:
+            open_streams = [s for room, lane in zip(rooms, self.lanes) if room > 0 for s in lane]
             resp = self.client.xreadgroup(
-                GROUP, self.consumer, {s: ">" for s in self.streams}, count=1, block=max(1, block_ms)
+                GROUP, self.consumer, {s: ">" for s in open_streams}, count=1, block=max(1, block_ms)
             )
             entries += _read_entries(resp)
             if not entries:
                 return []
-        remaining = count - len(entries)
-        if remaining > 0:
-            entries += self._parse(self._script(keys=self._order(), args=[GROUP, self.consumer, remaining]))
+            for entry in entries:
+                rooms[self.lane_of(entry.stream)] -= 1
+        if any(room > 0 for room in rooms):
+            keys, args = self._read_args(rooms)
+            entries += self._parse(self._script(keys=keys, args=args))
         return entries
 
-    def queue_read(self, pipe: Any, count: int) -> None:
+    def queue_read(self, pipe: Any, rooms: Sequence[int]) -> None:
         """Queue :meth:`read`'s non-blocking read on ``pipe`` (the script by its SHA: through a
         pipeline, redis-py's Script would cost a SCRIPT EXISTS round trip of its own)."""
-        order = self._order()
-        pipe.evalsha(self._script.sha, len(order), *order, GROUP, self.consumer, count)
+        keys, args = self._read_args(rooms)
+        pipe.evalsha(self._script.sha, len(keys), *keys, *args)
 
-    def parse_queued(self, reply: object, count: int) -> list[Entry]:
+    def parse_queued(self, reply: object, rooms: Sequence[int]) -> list[Entry]:
         """The entries of a :meth:`queue_read` reply; if Redis had lost the script (a restart),
         the read is made again on its own, which loads it."""
         if isinstance(reply, redis.exceptions.NoScriptError):
-            return self.read(count, None)
+            return self.read(rooms, None)
         if isinstance(reply, Exception):
             raise reply
         return self._parse(reply)
 
-    def _order(self) -> list[str]:
-        start = next(self._rotation)
-        return self.streams[start:] + self.streams[:start]
+    def _read_args(self, rooms: Sequence[int]) -> tuple[list[str], list[Any]]:
+        """KEYS and ARGV of :data:`scripts.READ_BOUNDED`: each lane's streams from a rotating start."""
+        keys: list[str] = []
+        args: list[Any] = [GROUP, self.consumer]
+        for streams, rotation, room in zip(self.lanes, self._rotations, rooms):
+            start = next(rotation)
+            keys += streams[start:] + streams[:start]
+            args += [len(streams), max(0, room)]
+        return keys, args
+
+    def lane_of(self, stream: str) -> int:
+        return next(k for k, streams in enumerate(self.lanes) if stream in streams)
 
     @staticmethod
     def _parse(reply: Any) -> list[Entry]:

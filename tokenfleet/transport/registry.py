@@ -51,13 +51,19 @@ class Registry:
         self.keys = keys
         self.name = name
 
-    def announce(self, buckets: Iterable[int], max_queue: int | None) -> None:
-        """Add our buckets to the routing set and, when given, set each one's queue limit (the
-        enqueue script refuses producers past it)."""
+    def announce(self, buckets: Iterable[int], max_queue: dict[str, int | None]) -> None:
+        """Add our buckets to the routing set and set each lane's queue limits given (lane name ->
+        limit): the enqueue script refuses producers past them."""
         buckets = list(buckets)
         self.client.sadd(self.keys.buckets, *buckets)
-        if max_queue is not None:
-            limits: dict[FieldT, EncodableT] = {str(b): max_queue for b in [*buckets, AUTO_BUCKET]}
+        names: list[int | str] = [*buckets, AUTO_BUCKET]
+        limits: dict[FieldT, EncodableT] = {
+            self.keys.queue_name(b, lane): limit
+            for lane, limit in max_queue.items()
+            if limit is not None
+            for b in names
+        }
+        if limits:
             self.client.hset(self.keys.max_queue, mapping=limits)
 
     def beat(self, state: dict[str, Any]) -> None:

@@ -43,17 +43,19 @@ class RoundTrip:
         self.cancels = cancels
         self._thread: ThreadPoolExecutor | None = None
         self._pending: Future[list[Any]] | Callable[[], list[Any]] | None = None
-        self._sent = self._room = 0
+        self._sent = 0
+        self._rooms: tuple[int, ...] = ()
 
-    def start(self, room: int, background: bool) -> None:
-        """Queue the outbox's replies, a read of up to ``room`` new entries and one of the
+    def start(self, rooms: tuple[int, ...], background: bool) -> None:
+        """Queue the outbox's replies, a read of up to ``rooms[k]`` new entries of each lane ``k``
+        and one of the
         cancels; send them now on the I/O thread (``background``) or at :meth:`finish`."""
         assert self._pending is None, "one round trip at a time"
         pipe = self.client.pipeline(transaction=False)
         self._sent = self.outbox.queue_into(pipe)
-        self._room = room
-        if room > 0:
-            self.reader.queue_read(pipe, room)
+        self._rooms = rooms
+        if any(room > 0 for room in rooms):
+            self.reader.queue_read(pipe, rooms)
         self.cancels.queue_read(pipe)
         run = functools.partial(pipe.execute, raise_on_error=False)
         if background:
@@ -71,7 +73,8 @@ class RoundTrip:
         try:
             replies = pending.result() if isinstance(pending, Future) else pending()
             refused = self.outbox.sent(replies[: self._sent])
-            entries = self.reader.parse_queued(replies[self._sent], self._room) if self._room > 0 else []
+            reading = any(room > 0 for room in self._rooms)
+            entries = self.reader.parse_queued(replies[self._sent], self._rooms) if reading else []
             cancelled = self.cancels.parse(replies[-1])
         except BaseException:
             self.outbox.restore()

@@ -7,7 +7,7 @@ Each runs atomically on one server (on a cluster, over keys of one hash slot). P
 from __future__ import annotations
 
 ENQUEUE = """
--- KEYS[1] request stream, KEYS[2] the max_queue hash; ARGV[1] bucket, ARGV[2] msgpack body.
+-- KEYS[1] request stream, KEYS[2] the max_queue hash; ARGV[1] its queue name, ARGV[2] msgpack body.
 -- Adds the request unless the stream already holds max_queue entries no worker has taken yet.
 local limit = tonumber(redis.call('HGET', KEYS[2], ARGV[1]))
 if limit then
@@ -31,21 +31,28 @@ return redis.call('XADD', KEYS[1], '*', 'm', ARGV[2])
 """XADD a request unless its bucket's queue is full (PROTOCOL.md, Backpressure)."""
 
 READ_BOUNDED = """
-local remaining = tonumber(ARGV[3])
 local out = {}
-for _, key in ipairs(KEYS) do
-  if remaining <= 0 then break end
-  local res = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', remaining, 'STREAMS', key, '>')
-  if res then
-    local entries = res[1][2]
-    remaining = remaining - #entries
-    table.insert(out, {key, entries})
+local k = 1
+for a = 3, #ARGV, 2 do
+  local n, remaining = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  for i = k, k + n - 1 do
+    if remaining > 0 then
+      local res = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', remaining,
+                             'STREAMS', KEYS[i], '>')
+      if res then
+        remaining = remaining - #res[1][2]
+        table.insert(out, {KEYS[i], res[1][2]})
+      end
+    end
   end
+  k = k + n
 end
 return out
 """
-"""Read up to ARGV[3] new entries in all across KEYS, in KEYS order (XREADGROUP's COUNT is per
-stream): the no-hoarding bound holds exactly, in one round trip."""
+"""Read new entries for consumer ARGV[2] of group ARGV[1], lane by lane: KEYS are the lanes'
+streams in turn, and each pair of ARGV after the first two says how many of KEYS are the next
+lane's and the most entries to read from them in all (XREADGROUP's COUNT is per stream): the
+no-hoarding bound holds exactly, in one round trip."""
 
 PUBLISH = """
 local errors = {}

@@ -10,7 +10,7 @@ from typing import Any
 
 import redis
 
-from tokenfleet.protocol import AUTO_BUCKET, GROUP, Keys
+from tokenfleet.protocol import AUTO_BUCKET, GROUP, LANES, Keys
 from tokenfleet.transport.registry import heartbeats
 
 
@@ -45,12 +45,20 @@ def _queue(client: redis.Redis, stream: str, now: float) -> dict[str, Any]:
 
 
 def fleet_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
-    """Live workers, per-bucket queues and the dead-letter count (``tokenfleet status --json``)."""
+    """Live workers, each lane's per-bucket queues and the dead letters (``tokenfleet status --json``)."""
     now = time.time()
     workers = heartbeats(client, keys)
     buckets = sorted(int(b) for b in client.smembers(keys.buckets))
     names: list[int | str] = [*buckets, AUTO_BUCKET]
-    queues = {str(b): _queue(client, keys.request_stream(b), now) for b in names}
+    queues = {
+        keys.queue_name(b, lane): {
+            "bucket": b,
+            "lane": lane,
+            **_queue(client, keys.request_stream(b, lane), now),
+        }
+        for lane in LANES
+        for b in names
+    }
     return {
         "prefix": keys.prefix,
         "workers": workers,

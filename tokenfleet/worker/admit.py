@@ -15,7 +15,7 @@ from tokenfleet import protocol
 from tokenfleet.core.interface import EngineCore
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.core.vocab import render_chat
-from tokenfleet.protocol import ErrorCode, FinishReason, Keys, Refusal, Request
+from tokenfleet.protocol import LANES, ErrorCode, FinishReason, Keys, Refusal, Request
 from tokenfleet.transport.intake import Entry, Incoming
 from tokenfleet.transport.outbox import Outbox
 from tokenfleet.transport.ownership import take_ownership
@@ -49,6 +49,7 @@ class Admitter:
         self.publisher = publisher
         self.fleet = fleet
         self.queue_timeout_s = queue_timeout_s
+        self.auto_streams = {keys.auto_stream_of(lane) for lane in LANES}
 
     def take(self, incoming: Incoming) -> None:
         """Admit, route, answer or refuse one entry."""
@@ -66,7 +67,7 @@ class Admitter:
     def _admit(self, incoming: Incoming) -> Refusal | None:
         entry, request = incoming.entry, incoming.request
         assert request is not None  # an entry without a request carries its refusal
-        if entry.stream == self.keys.auto_stream:
+        if entry.stream in self.auto_streams:
             return self._route(entry, request)
         seq = self._sequence(entry, request)
         if isinstance(seq, Refusal):
@@ -161,7 +162,8 @@ class Admitter:
         routed = dataclasses.replace(
             request, prompt=None, messages=None, input_ids=tuple(ids), enqueued_ms=first_seen
         )
-        self.outbox.move(entry, self.keys.request_stream(bucket), protocol.encode_request(routed))
+        target = self.keys.request_stream(bucket, request.priority)
+        self.outbox.move(entry, target, protocol.encode_request(routed))
         return None
 
 

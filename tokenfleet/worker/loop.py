@@ -16,7 +16,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import redis
 from redis.cluster import RedisCluster
@@ -24,7 +23,7 @@ from redis.cluster import RedisCluster
 from tokenfleet.config import WorkerConfig
 from tokenfleet.core.interface import BatchEvent, EngineCore, StepOutput
 from tokenfleet.engines import build_core
-from tokenfleet.protocol import ErrorCode, Keys
+from tokenfleet.protocol import LANES, ErrorCode, Keys
 from tokenfleet.transport.cancels import CancelFeed
 from tokenfleet.transport.connection import BACKOFF_MAX_S, BACKOFF_START_S, connect_with_retry
 from tokenfleet.transport.intake import StreamReader, decode
@@ -38,27 +37,14 @@ from tokenfleet.worker.policy import Plan, TurnPolicy
 from tokenfleet.worker.publisher import Publisher
 from tokenfleet.worker.ratelog import RateLimitedLog
 from tokenfleet.worker.stops import enforce_stops
+from tokenfleet.worker.timing import TimeSpent
 from tokenfleet.worker.upkeep import FleetBuckets, Upkeep
+from tokenfleet.worker.wait_tuning import WaitTuning
 
 log = logging.getLogger(__name__)
 
 IDLE_BLOCK_MS = 500  # longest blocking read, so that a stop request is noticed promptly
 FORMING_POLL_MS = 5  # while a batch waits for max_wait_ms: look for more requests this often
-
-
-@dataclass
-class TimeSpent:
-    """Where a worker's time went, logged when it stops."""
-
-    intake_s: float = 0.0  # waiting for and reading work (the part a step did not hide)
-    step_s: float = 0.0  # model steps
-    redis_s: float = 0.0  # other Redis round trips
-
-    def __str__(self) -> str:
-        return (
-            f"{self.intake_s:.2f}s reading/waiting for work, {self.step_s:.2f}s in model steps, "
-            f"{self.redis_s:.2f}s in other Redis round trips"
-        )
 
 
 class Worker:
@@ -76,22 +62,24 @@ class Worker:
         self.client = client or connect_with_retry(config.redis.url, self._stop.is_set)
         self.name = config.name or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
         buckets = config.batching.buckets
-        streams = [keys.request_stream(b) for b in buckets] + [keys.auto_stream]
+        lanes = keys.lane_streams(buckets)
+        streams = [stream for lane in lanes for stream in lane]
         reliability = config.reliability
-        self.reader = StreamReader(self.client, streams, self.name)
+        self.reader = StreamReader(self.client, lanes, self.name)
         self.outbox = Outbox(self.client, keys)
         self.reclaimer = Reclaimer(
             self.client, streams, self.name, reliability.claim_idle_ms, reliability.max_attempts
         )
         self.cancels = CancelFeed(self.client, keys)
         self.round_trip = RoundTrip(self.client, self.outbox, self.reader, self.cancels)
-        self.metrics = WorkerMetrics(self.name)
+        self.metrics = WorkerMetrics(self.name, config.engine.served_name)
         self.publisher = Publisher(self.outbox, self.metrics, self.name, config.streaming.stream_interval_ms)
         self.registry = Registry(self.client, keys, self.name)
         fleet = FleetBuckets(self.registry, buckets)
         self.admitter = Admitter(
             self.client, keys, self.core, self.outbox, self.publisher, fleet, reliability.queue_timeout_s
         )
+        self.tuning = WaitTuning(config.batching, self.core, self.metrics)  # --ttft-target-ms
         self.upkeep = Upkeep(
             config, self.core, self.registry, fleet, self.reader, self.reclaimer, self.metrics, self.publisher
         )
@@ -129,7 +117,9 @@ class Worker:
             self.metrics.serve(self.config.metrics_port)
             self._metrics_served = True
         self.reader.ensure_groups()
-        self.registry.announce(self.config.batching.buckets, self.config.reliability.max_queue)
+        reliability = self.config.reliability
+        limits = {"interactive": reliability.max_queue, "batch": reliability.batch_max_queue}
+        self.registry.announce(self.config.batching.buckets, limits)
         self.upkeep.heartbeat(force=True)
         self.cancels.start()
         if not self._recovered_own:  # once per process
@@ -188,9 +178,10 @@ class Worker:
         plan = self.policy.plan(self.core.has_work, self.stopping, bool(len(self.outbox)))
         t0 = time.perf_counter()
         if plan.shared:
-            self.round_trip.start(self._room(), background=plan is Plan.OVERLAP)
+            self.round_trip.start(self._rooms(), background=plan is Plan.OVERLAP)
         if plan is not Plan.OVERLAP:
             self._apply(self._exchange(plan))
+        self.tuning.apply()
         t1 = time.perf_counter()
         output = self._step()
         t2 = time.perf_counter()
@@ -207,9 +198,12 @@ class Worker:
             self.spent.intake_s += t1 - t0
             self.spent.redis_s += time.perf_counter() - t2
 
-    def _room(self) -> int:
-        """How many new entries may be read: no more than can start soon (no hoarding)."""
-        return self.config.batching.max_batch_size - self.core.num_waiting
+    def _rooms(self) -> tuple[int, ...]:
+        """How many new entries each lane may read: no more than can start soon (no hoarding).
+        The top lane counts only its own waiting, so a full queue of the batch lane never keeps
+        an interactive request unread; the others count everything waiting."""
+        size, waiting = self.config.batching.max_batch_size, self.core.num_waiting
+        return (size - self.core.waiting_in(0), *(size - waiting for _ in LANES[1:]))
 
     def _exchange(self, plan: Plan) -> Received:
         """This turn's Redis round trip(s) before the step, by plan."""
@@ -221,7 +215,7 @@ class Worker:
         if plan is Plan.SKIP:
             return Received()  # cancels and new work wait for the next read
         self._flush()  # never wait for work with replies unsent
-        entries = [] if plan is Plan.DRAIN else self.reader.read(self._room(), self._wait_for_work())
+        entries = [] if plan is Plan.DRAIN else self.reader.read(self._rooms(), self._wait_for_work())
         # cancels only matter for what is held; new entries are checked by their flag when taken
         cancelled = self.cancels.read() if self.core.held() else set()
         return Received(entries, cancelled)
@@ -230,7 +224,7 @@ class Worker:
         """How long the read may block: not at all while a batch runs; while a batch forms,
         sleep here in short slices instead (Redis times blocked reads out on its own clock tick,
         tens of ms late); a bounded idle wait otherwise."""
-        if self.core.has_work or self._room() <= 0:
+        if self.core.has_work or max(self._rooms()) <= 0:
             return None
         ready = self.core.ready_at()
         if self.core.num_waiting:
@@ -248,6 +242,7 @@ class Worker:
         for error in received.refused:
             log.error("redis refused a reply write: %s", error)
         for entry in received.entries:
+            self.tuning.arrived(self.reader.lane_of(entry.stream))
             self.admitter.take(decode(entry))
         if not self.stopping:
             self._reclaim()
@@ -257,7 +252,8 @@ class Worker:
         # our own entries too, when they sat idle past claim_idle_ms while we held them (e.g. we
         # could not reach Redis to vouch for them): those run here already
         held = {seq.key for seq in self.core.held()}
-        claimed = [c for c in self.reclaimer.claim(self._room()) if c.entry.key not in held]
+        room = self.config.batching.max_batch_size - self.core.num_waiting
+        claimed = [c for c in self.reclaimer.claim(room) if c.entry.key not in held]
         self.metrics.reclaims.inc(len(claimed))
         self.reclaimed += len(claimed)
         for incoming in claimed:
@@ -279,9 +275,10 @@ class Worker:
             for seq in self.core.abort({s.key for s in started}):
                 self.publisher.fail(seq, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
             return StepOutput()
+        self.tuning.observe(output, time.perf_counter() - began)
         for event in output.batches:
             self._on_batch(event)
-        self.metrics.preemptions.inc(len(output.preempted))
+        self.metrics.preempted(len(output.preempted))
         if output.tokens and not any(event.kind == "prefill" for event in output.batches):
             self.policy.step_done(time.perf_counter() - began)
         return output

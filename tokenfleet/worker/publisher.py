@@ -34,19 +34,18 @@ class Publisher:
         """A step's tokens: the first of a request at once (TTFT), later ones when the stream
         interval has passed, the last with the terminal event."""
         m = self.metrics
-        m.generation_tokens.inc(len(output.tokens))
+        m.generated(len(output.tokens))
         self.tokens_generated += len(output.tokens)
         now = time.monotonic()
         for out in output.tokens:
             seq = out.seq
             first = out.index == seq.resumed_tokens  # this attempt's first token
             if first:
-                m.requests_started.inc()
-                m.prompt_tokens.inc(len(seq.prompt_ids))
-                m.queue_time.observe(max(0.0, (seq.started or 0) - seq.enqueued_wall))
-                m.ttft.observe(max(0.0, (seq.first_token_at or 0) - seq.enqueued_wall))
+                queued = max(0.0, (seq.started or 0) - seq.enqueued_wall)
+                ttft = max(0.0, (seq.first_token_at or 0) - seq.enqueued_wall)
+                m.started(seq.request.priority, len(seq.prompt_ids), queued, ttft)
             elif seq.prev_token_at is not None and seq.last_token_at is not None:
-                m.itl.observe(seq.last_token_at - seq.prev_token_at)
+                m.token_gap(seq.last_token_at - seq.prev_token_at)
             seq.unsent_ids.append(out.token_id)
             seq.unsent_text += out.text
             if first or out.finished or now - seq.last_sent_at >= self.interval_s:
@@ -72,8 +71,7 @@ class Publisher:
         self.outbox.event(req.id, done, req.reply_ttl_s)
         self.outbox.ack(*seq.key)
         self.requests_finished += 1
-        self.metrics.finished(done.finish_reason)
-        self.metrics.e2e.observe(done.timings["total_ms"] / 1000)
+        self.metrics.finished(done.finish_reason, req.priority, done.timings["total_ms"] / 1000)
 
     def fail(self, seq: SeqState, code: str, message: str) -> None:
         """End ``seq`` with an ``error`` after the tokens it made, then acknowledge its entry."""

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from tokenfleet.config import WorkerConfig
 from tokenfleet.core.interface import EngineCore, StepOutput
+from tokenfleet.protocol import LANES
 from tokenfleet.transport.intake import StreamReader
 from tokenfleet.transport.reclaim import Reclaimer
 from tokenfleet.transport.registry import Registry
@@ -64,7 +65,6 @@ class Upkeep:
         self.publisher = publisher
         self.capacity = core.capacity()
         self._kv_peak = self.capacity  # the pool at its fullest since the last burst ended
-        metrics.kv_blocks_total.set(self.capacity.kv_blocks_total)
         self._last_heartbeat = 0.0
         self._tokens_at_heartbeat = 0
         self._last_trim = time.monotonic()
@@ -114,10 +114,8 @@ class Upkeep:
         self.capacity = cap = self.core.capacity()
         if cap.kv_blocks_used > self._kv_peak.kv_blocks_used:
             self._kv_peak = cap
-        m = self.metrics
-        m.kv_blocks_used.set(cap.kv_blocks_used)
-        m.running.set(cap.running)
-        m.waiting.set(cap.waiting)
+        waiting = {lane: self.core.waiting_in(rank) for rank, lane in enumerate(LANES)}
+        self.metrics.state(cap.running, waiting, cap.kv_blocks_used, cap.kv_blocks_total)
 
     def _log_memory(self) -> None:
         """How full the KV pool got, next to what a contiguous cache preallocated for

@@ -97,6 +97,9 @@ class VllmCore:
     def num_waiting(self) -> int:
         return len(self.batcher)
 
+    def waiting_in(self, lane: int) -> int:
+        return self.batcher.waiting_in(lane)
+
     @property
     def has_work(self) -> bool:
         return bool(self._active) or self.batcher.is_due()

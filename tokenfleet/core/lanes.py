@@ -1,0 +1,35 @@
+"""Priority lanes inside the core: whom to preempt when the KV pool is full. Pure: the allocator's
+counts in, sequences out."""
+
+from __future__ import annotations
+
+from tokenfleet.core.sequence import SeqState
+from tokenfleet.kvcache.allocator import BlockAllocator
+
+
+def pick_victim(running: list[SeqState], below: int | None = None) -> SeqState | None:
+    """The running sequence to preempt: of the lowest lane (lower than ``below``, when given), the
+    youngest of those (``running`` is in admission order)."""
+    order = {id(s): i for i, s in enumerate(running)}
+    candidates = [s for s in running if below is None or s.request.lane > below]
+    return max(candidates, key=lambda s: (s.request.lane, order[id(s)]), default=None)
+
+
+def victims_for(
+    alloc: BlockAllocator, running: list[SeqState], seq: SeqState, admitted_now: int
+) -> list[SeqState]:
+    """The lower-lane sequences whose preemption makes room for ``seq`` (lowest lane and youngest
+    first), or none when even all of them would not: never preempt for nothing."""
+    tokens = len(seq.all_tokens) + 1
+    lower = [s for s in running if s.request.lane > seq.request.lane]
+    reserve = len(running) + admitted_now
+    chosen: list[SeqState] = []
+    free = alloc.num_free_blocks
+    while not free >= alloc.blocks_needed(tokens) + reserve - len(chosen):
+        victim = pick_victim(lower)
+        if victim is None:
+            return []
+        lower.remove(victim)
+        chosen.append(victim)
+        free += len(alloc.block_table(victim.key))
+    return chosen
