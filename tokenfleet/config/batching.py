@@ -59,8 +59,8 @@ class DynamicBatchingConfig:
 
     ttft_target_ms: float | None = setting(
         None,
-        "Choose the wait for a batch at run time (0 to max-wait-ms) to keep the interactive lane's "
-        "p90 time to first token under this: the largest batches the target allows.",
+        "Choose the wait for a batch at run time (one decode step to max-wait-ms) to keep the interactive "
+        "lane's p90 time to first token under this: the largest batches the target allows.",
         kind="float",
     )
     batch_ttft_target_ms: float | None = setting(
