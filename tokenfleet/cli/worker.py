@@ -13,6 +13,7 @@ import click
 
 from tokenfleet.cli.common import fail, require_engine, settings_options
 from tokenfleet.config import PROFILES, WORKER_SETTINGS, flatten, resolve_worker_config
+from tokenfleet.worker import allocator
 
 
 @click.command(short_help="Serve requests from bucket streams (until SIGTERM).")
@@ -56,7 +57,12 @@ def worker(profile: str | None, config_file: str | None, log_level: str, dry_run
     if dry_run:
         click.echo(json.dumps(flatten(config), indent=2))
         return
+    try:
+        allocator.arrange(config.engine.allocator)  # may re-execute this process, before torch loads
+    except ValueError as e:
+        fail(str(e))
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tokenfleet.worker").info(allocator.describe())
     from tokenfleet.worker.loop import Worker
 
     try:

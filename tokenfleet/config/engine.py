@@ -10,6 +10,7 @@ from tokenfleet.config.settings import setting
 ENGINE_BACKENDS = ("native", "vllm", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BF16_LINEAR_ROUTES = ("auto", "kernel", "native", "float32")
+ALLOCATORS = ("auto", "tcmalloc", "system")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,13 @@ class EngineConfig:
         "start-up, before serving.",
     )
     threads: int | None = setting(None, "torch intra-op threads (CPU; default: torch's).", kind="int")
+    allocator: str = setting(
+        "auto",
+        "auto: tcmalloc where the machine has it (the worker re-executes itself with it preloaded), "
+        "else glibc kept from handing step buffers back to the kernel; tcmalloc: require it; "
+        "system: the process as started (e.g. your own LD_PRELOAD).",
+        choices=ALLOCATORS,
+    )
     bf16_linear: str = setting(
         "auto",
         "CPU, bf16: where linears compute. auto: time the routes at start-up and take the fastest; "
@@ -75,6 +83,8 @@ class EngineConfig:
             raise ValueError(
                 f"bf16_linear must be one of {', '.join(BF16_LINEAR_ROUTES)}, got {self.bf16_linear!r}"
             )
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, got {self.allocator!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads!r}")
 

@@ -1,0 +1,62 @@
+"""The worker arranges its own memory allocator: tcmalloc by re-executing itself once, or glibc tuned."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tokenfleet.worker import allocator
+
+CHILD = """
+import sys
+from tokenfleet.worker import allocator
+allocator.arrange(sys.argv[1], [sys.executable, __file__, *sys.argv[1:]])
+print(allocator.tcmalloc_loaded(), allocator.describe(), sep="|")
+"""
+
+needs_tcmalloc = pytest.mark.skipif(allocator.find_tcmalloc() is None, reason="no tcmalloc on this machine")
+
+
+def run(tmp_path, choice: str, **env: str) -> tuple[bool, str]:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ARRANGED)}
+    out = subprocess.run(
+        [sys.executable, str(script), choice], env={**base, **env}, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    loaded, line = out.split("|")
+    return loaded == "True", line
+
+
+@needs_tcmalloc
+def test_auto_reexecutes_itself_once_onto_tcmalloc_and_says_so(tmp_path):
+    loaded, line = run(tmp_path, "auto")
+    assert loaded
+    assert line.startswith("allocator: tcmalloc (") and "--allocator system" in line
+
+
+def test_system_leaves_the_process_as_started(tmp_path):
+    loaded, line = run(tmp_path, "system")
+    assert not loaded
+    assert line == "allocator: the system's (--allocator system)"
+
+
+@needs_tcmalloc
+def test_a_users_own_preload_is_kept(tmp_path):
+    mine = allocator.find_tcmalloc()
+    loaded, line = run(tmp_path, "auto", LD_PRELOAD=mine)
+    assert loaded
+    assert line == f"allocator: as preloaded by LD_PRELOAD ({mine})"
+
+
+def test_without_tcmalloc_glibc_is_tuned_instead(tmp_path, monkeypatch):
+    monkeypatch.setattr(allocator, "find_tcmalloc", lambda: None)
+    monkeypatch.delenv(allocator.ARRANGED, raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    allocator.arrange("auto")  # no re-exec: it returns
+    assert os.environ[allocator.ARRANGED] == "glibc"
+    assert "glibc, thresholds raised" in allocator.describe()
+    monkeypatch.delenv(allocator.ARRANGED)
+    with pytest.raises(ValueError, match="no tcmalloc here"):
+        allocator.arrange("tcmalloc")
