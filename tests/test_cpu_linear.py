@@ -31,7 +31,7 @@ class Tiny(nn.Module):
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_packed_model_matches_and_tied_weights_stay(tie):
+def test_packed_model_matches_and_a_tied_head_gets_a_packed_copy_of_its_own(tie):
     torch.manual_seed(0)
     model = Tiny(tie).eval()
     ids = torch.randint(0, 50, (3, 7))
@@ -39,9 +39,9 @@ def test_packed_model_matches_and_tied_weights_stay(tie):
         expected = model(ids)
         swapped = pack_linears(model)
         got = model(ids)
-    assert swapped == (2 if tie else 3)
-    assert isinstance(model.proj, PackedLinear) and isinstance(model.down, PackedLinear)
-    assert isinstance(model.head, nn.Linear) is tie
+    assert swapped == 3
+    assert all(isinstance(m, PackedLinear) for m in (model.proj, model.down, model.head))
+    assert isinstance(model.embed.weight, nn.Parameter)  # the input embedding keeps the weight
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
     # the original weights are gone: the packed buffer is the only copy
     assert not any(name.endswith("proj.weight") for name, _ in model.named_parameters())
@@ -185,7 +185,7 @@ def test_the_bf16_kernel_replaces_the_weight_and_runs_inside_a_compiled_graph():
     ids = torch.randint(0, 50, (3, 7))
     with torch.inference_mode():
         expected = model(ids)
-        assert pack_linears(model, cpu_linear.KernelLinear) == 2  # proj and down; the tied head stays
+        assert pack_linears(model, cpu_linear.KernelLinear) == 3  # proj, down and the tied head
         eager = model(ids)
         compiled = torch.compile(model, fullgraph=True)(ids)
     assert isinstance(model.proj, cpu_linear.KernelLinear) and isinstance(model.extra, nn.Linear)
