@@ -143,8 +143,7 @@ class Scheduler:
         if slots <= 0:
             return []
         chosen: list[SeqState] = []
-        best_new = self.batcher.best_rank()
-        if self.preempted and (best_new is None or self.preempted[0].request.lane <= best_new):
+        if self.preempted and self._resumes_first():
             budget = self._prefill_budget()
             while self.preempted and len(chosen) < slots:
                 tokens = len(self.preempted[0].all_tokens)
@@ -169,6 +168,12 @@ class Scheduler:
         if unplaced:
             self.batcher.requeue(unplaced)
         return self._started(chosen)
+
+    def _resumes_first(self) -> bool:
+        """Whether the first preempted sequence goes before every new request (its lane ranks
+        at least as high as theirs)."""
+        best_new = self.batcher.best_rank()
+        return best_new is None or self.preempted[0].request.lane <= best_new
 
     def _prefill_budget(self) -> float:
         """Prompt tokens this step's prefill may take: ``max_prefill_tokens`` in continuous mode

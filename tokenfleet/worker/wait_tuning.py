@@ -58,11 +58,13 @@ class WaitTuning:
                 lane.first_token(max(0.0, seq.first_token_at - seq.enqueued_wall))
 
     def apply(self) -> None:
-        """Hand each controller's current wait to the core (the batcher reads it when it forms)."""
+        """Hand each controller's current wait to the core (the batcher reads it when it forms)
+        and export it, when it moved: this runs every turn, the wait changes twice a second."""
         for lane, controller in self.controllers.items():
             wait = controller.current()
-            self.core.batcher.set_wait(lane, wait)
-            self.metrics.wait_in_force(LANES[lane], wait * 1000)
+            if wait != self.core.batcher.wait_of(lane):
+                self.core.batcher.set_wait(lane, wait)
+                self.metrics.wait_in_force(LANES[lane], wait * 1000)
             self._maybe_log(lane, controller)
 
     def _maybe_log(self, lane: int, controller: WaitController) -> None:
