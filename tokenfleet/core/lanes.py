@@ -1,7 +1,10 @@
-"""Priority lanes inside the core: whom to preempt when the KV pool is full. Pure: the allocator's
-counts in, sequences out."""
+"""Priority lanes inside the core: whom to preempt when the KV pool is full, and the order the
+preempted resume in. Pure: the allocator's counts in, sequences out."""
 
 from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection, Hashable
 
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.kvcache.allocator import BlockAllocator
@@ -33,3 +36,21 @@ def victims_for(
         chosen.append(victim)
         free += len(alloc.block_table(victim.key))
     return chosen
+
+
+class PreemptedQueue(deque[SeqState]):
+    """Preempted sequences waiting to resume: higher lanes first, each lane in preemption order."""
+
+    def add(self, seq: SeqState) -> None:
+        lane = seq.request.lane
+        self.insert(next((i for i, s in enumerate(self) if s.request.lane > lane), len(self)), seq)
+
+    def in_lane(self, lane: int) -> int:
+        return sum(s.request.lane == lane for s in self)
+
+    def drop(self, keys: Collection[Hashable]) -> list[SeqState]:
+        """Remove and return the sequences with these keys."""
+        gone = [s for s in self if s.key in keys]
+        for seq in gone:
+            self.remove(seq)
+        return gone

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Collection, Hashable
 
 from tokenfleet.batcher import Batcher, PendingRequest
 from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.core.admission import Admission, Limits
 from tokenfleet.core.interface import BatchEvent, Capacity, MemoryStats, Runner, StepOutput, TokenOutput
-from tokenfleet.core.lanes import pick_victim, victims_for
+from tokenfleet.core.lanes import PreemptedQueue, pick_victim, victims_for
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.kvcache.allocator import BlockAllocator
 from tokenfleet.protocol import Refusal
@@ -54,7 +53,7 @@ class Scheduler:
         )
         self.batcher = Batcher(batching, clock)
         self._running: list[SeqState] = []  # in admission order: the last is the youngest
-        self.preempted: deque[SeqState] = deque()
+        self.preempted = PreemptedQueue()
         self.on_batch = on_batch
         self.preemptions = 0
         self.peak = self.memory_stats()  # pool use at its fullest so far
@@ -80,7 +79,7 @@ class Scheduler:
         return len(self.batcher) + len(self.preempted)
 
     def waiting_in(self, lane: int) -> int:
-        return self.batcher.waiting_in(lane) + sum(s.request.lane == lane for s in self.preempted)
+        return self.batcher.waiting_in(lane) + self.preempted.in_lane(lane)
 
     @property
     def has_work(self) -> bool:
@@ -263,9 +262,7 @@ class Scheduler:
         self.allocator.free(victim.key)
         victim.preemptions += 1
         self.preemptions += 1
-        lane = victim.request.lane
-        at = next((i for i, s in enumerate(self.preempted) if s.request.lane > lane), len(self.preempted))
-        self.preempted.insert(at, victim)
+        self.preempted.add(victim)
         self._step_output.preempted.append(victim)
         log.info("%s: preempted %s after %d tokens", why, victim.request.id, len(victim.generated))
 
@@ -293,8 +290,7 @@ class Scheduler:
         dropped = [s for s in self._running if s.key in keys]
         for seq in dropped:
             self._release(seq)
-        gone = [s for s in self.preempted if s.key in keys]
-        self.preempted = deque(s for s in self.preempted if s.key not in keys)
+        gone = self.preempted.drop(keys)
         waiting = [item.payload for item in self.batcher.remove(lambda item: item.key in keys)]
         return dropped + gone + waiting
 
