@@ -666,6 +666,7 @@ SPEEDS = (
     "matmul_flops_per_s_peak",
 )
 DECODE_SPEED = SPEEDS[1]
+GPU_GEMMS_PER_TIMING = 100  # time_matmul on a GPU
 PROBE_ROWS = 64  # measure_matmul: rows of the probe that decides whether a bf16 matmul is worth timing
 
 
@@ -699,8 +700,19 @@ def time_matmul(dtype, m: int, k: int, n: int, seconds: float, device: str = "cp
     import torch
 
     a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    return best_flops(lambda: a @ b, 2 * m * k * n, seconds, sync)
+    if not device.startswith("cuda"):
+        return best_flops(lambda: a @ b, 2 * m * k * n, seconds)
+    # on a GPU one call then a sync times the launch and the sync, not the GEMM (at decode shapes
+    # most of it): a CUDA graph of GPU_GEMMS_PER_TIMING back-to-back GEMMs, one sync per replay
+    out = torch.empty(m, n, dtype=dtype, device=device)
+    for _ in range(2):
+        torch.matmul(a, b, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GPU_GEMMS_PER_TIMING):
+            torch.matmul(a, b, out=out)
+    return best_flops(graph.replay, 2 * m * k * n * GPU_GEMMS_PER_TIMING, seconds, torch.cuda.synchronize)
 
 
 def time_onednn_linear(dtype, m: int, k: int, n: int, seconds: float) -> float:

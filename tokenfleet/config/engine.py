@@ -68,6 +68,11 @@ class EngineConfig:
     paged_kernel: bool = setting(
         True, "CPU: attention in tokenfleet's C++ kernels (built once per machine); off: gather + SDPA."
     )
+    cuda_graphs: bool = setting(
+        True,
+        "CUDA (with Triton): decode captured as CUDA graphs at batch sizes 8, 16, 32, ... at start-up "
+        "and replayed per step; off: eager steps.",
+    )
 
     @property
     def served_name(self) -> str:

@@ -66,7 +66,11 @@ def build_core(config: WorkerConfig) -> EngineCore:
         bf16_linear=engine.bf16_linear,
         onednn_linear=engine.onednn_linear,
         paged_kernel=engine.paged_kernel,
+        cuda_graphs=engine.cuda_graphs,
+        max_seq_len=config.batching.max_seq_len,
     )
-    if engine.compile:  # before the worker announces itself: no request waits on a compile
-        log.info("compiled decode ready after %.0f s", runner.warm_up())
+    # before the worker announces itself: no request waits on a compile or a graph capture
+    warmed = runner.warm_up()
+    if warmed:
+        log.info("engine warmed up (compiled / captured) in %.1f s", warmed)
     return Scheduler(runner, config.batching)

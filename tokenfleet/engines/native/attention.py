@@ -20,30 +20,45 @@ PAGED_ATTENTION = "tokenfleet_paged"
 
 
 @dataclass
+class PrefillGroups:
+    """Prompts of similar lengths padded into one SDPA call each (see :func:`length_groups`).
+    Group ``g`` is ``shape[3g : 3g + 3]`` = (rows, tokens, width); ``index`` holds, group after
+    group, its rows, each token's place in the packed step, and its place in the group's
+    ``[rows, width]`` padding. Computed once per step on the host, read by every layer."""
+
+    index: torch.Tensor
+    shape: list[int]
+
+
+@dataclass
 class StepMetadata:
     """Where this step's K/V go in the store and which keys each query may see.
 
-    Every one of the step's tokens is written at its (``write_blocks``, ``write_offsets``) place
-    (the padding rows of a padded decode batch go to the store's scratch block). Prefill is
+    Every one of the step's tokens is written at pool slot ``slots`` (block x block_size +
+    offset; the padding rows of a padded batch go to the store's scratch block). Prefill is
     packed: the model sees the prompts laid end to end (``[1, N]``: no padding in the matmuls),
-    and attention scatters prompts of similar lengths into padded rows to run under their part of
-    ``mask`` ``[B, 1, L, L]``, then packs the result back; or, with ``use_kernel``, the C++
-    operator ``tokenfleet::paged_prefill`` attends on the packed tokens themselves (prompt ``b`` is
-    tokens ``starts[b] .. starts[b + 1]``) and does the write. Decode attends to
-    each sequence's ``lengths`` keys found through ``block_tables`` ``[B, max_blocks]``: read in
-    place by the C++ operator ``tokenfleet::paged_decode`` (``use_kernel``: it also does the
-    write), or gathered and masked by ``mask`` ``[B, 1, 1, max_blocks * block_size]``.
+    and attention scatters prompts of similar lengths into padded rows (``groups``) to run under
+    their part of ``mask`` ``[B, 1, L, L]``, then packs the result back; or, with ``use_kernel``,
+    the C++ operator ``tokenfleet::paged_prefill`` attends on the packed tokens themselves (prompt
+    ``b`` is tokens ``starts[b] .. starts[b + 1]``) and does the write (at ``write_blocks``,
+    ``write_offsets``). Decode attends to each sequence's ``lengths`` keys found through
+    ``block_tables`` ``[B, max_blocks]``: read in place by the C++ operator
+    ``tokenfleet::paged_decode`` (``use_kernel``) or the Triton kernel (``use_triton``), or
+    gathered and masked by ``mask`` ``[B, 1, 1, max_blocks * block_size]``.
     """
 
     store: PagedKVStore
     is_prefill: bool
-    write_blocks: torch.Tensor
-    write_offsets: torch.Tensor
+    slots: torch.Tensor
+    write_blocks: torch.Tensor | None = None
+    write_offsets: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
     starts: torch.Tensor | None = None
+    groups: PrefillGroups | None = None
     use_kernel: bool = False
+    use_triton: bool = False
 
 
 @torch.library.custom_op("tokenfleet::paged_attention", mutates_args=("k_cache", "v_cache"))
@@ -53,26 +68,43 @@ def paged_attention_op(
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    write_blocks: torch.Tensor,
-    write_offsets: torch.Tensor,
+    slots: torch.Tensor,
     mask: torch.Tensor | None,
     block_tables: torch.Tensor | None,
     lengths: torch.Tensor | None,
     scale: float,
+    group_index: torch.Tensor | None,
+    group_shape: list[int],
+    triton: bool,
 ) -> torch.Tensor:
     """Write this step's K/V into one layer of the pool, attend, return ``[B, T, heads, head_dim]``.
 
     One opaque op (it mutates the pool), so ``torch.compile`` can compile the model around it."""
     batch, kv_heads, steps, head_dim = key.shape
-    k_cache[write_blocks, write_offsets] = key.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim)
-    v_cache[write_blocks, write_offsets] = value.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim)
+    write_slots(k_cache, v_cache, key, value, slots)
     gqa = kv_heads != query.shape[1]
     if block_tables is None:  # prefill, packed: the step's own keys, one row per prompt
-        assert mask is not None, "a packed prefill without the kernel attends under its mask"
-        return packed_prefill_attention(query, key, value, mask, scale, gqa)
+        assert mask is not None and group_index is not None, "a packed prefill without the kernel"
+        return packed_prefill_attention(query, key, value, mask, scale, gqa, group_index, group_shape)
+    if triton:
+        from tokenfleet.engines.native.triton_paged import paged_decode
+
+        assert lengths is not None
+        return paged_decode(query[:, :, 0], k_cache, v_cache, block_tables, lengths, scale)[:, None]
     keys, values = PagedKVStore.gather(k_cache, v_cache, block_tables)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()
+
+
+def write_slots(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """The step's keys and values (``[B, kv_heads, T, head_dim]``) to pool slots ``slots`` ``[B x T]``:
+    one indexed copy each."""
+    batch, kv_heads, steps, head_dim = key.shape
+    for cache, new in ((k_cache, key), (v_cache, value)):
+        rows = new.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim)
+        cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, rows)
 
 
 # Prompts in one attention call are padded to the longest; a shorter one joins a group while it is
@@ -81,31 +113,33 @@ GROUP_MIN_FRACTION = 0.75
 
 
 def packed_prefill_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float, gqa: bool
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    gqa: bool,
+    group_index: torch.Tensor,
+    group_shape: list[int],
 ) -> torch.Tensor:
     """Causal attention of prompts laid end to end (``[1, heads, N, head_dim]``), each to its own
     tokens: prompts of similar lengths are padded into one SDPA call under ``mask`` ``[B, 1, L, L]``
-    (from which the lengths are read), so a batch of mixed lengths does not pay for the longest
-    one's square on every row. Returns ``[1, N, heads, head_dim]``."""
-    # the last query row of a causal mask sees all valid keys; the index arithmetic runs on the
-    # host (one sync per layer on an accelerator), the gathers on the tensors' device
-    lengths = mask[:, 0, -1].sum(-1).cpu()
-    starts = torch.cumsum(lengths, 0) - lengths
+    (:class:`PrefillGroups` says which), so a batch of mixed lengths does not pay for the longest
+    one's square on every row. Returns ``[1, N, heads, head_dim]``. No host sync: the index
+    arithmetic was done once for the step."""
     _, heads, total, head_dim = query.shape
-    dev = query.device
     out = query.new_empty(total, heads, head_dim)
-    for rows in length_groups(lengths.tolist()):
-        index = torch.tensor(rows)
-        lens = lengths[index]
-        width = int(lens.max())
-        segment = torch.repeat_interleave(torch.arange(len(rows)), lens)
-        position = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[segment]
-        src = (starts[index][segment] + position).to(dev)  # each token's place in the packed step
-        dst = (segment * width + position).to(dev)  # and in the group's [rows, width] padding
-        q, k, v = (unpack(t, src, dst, len(rows), width) for t in (query, key, value))
-        group_mask = mask[index.to(dev)][:, :, :width, :width]
+    sizes: list[int] = []
+    for g in range(0, len(group_shape), 3):  # each group's rows, then its tokens' two places
+        sizes += [group_shape[g], group_shape[g + 1], group_shape[g + 1]]
+    parts = group_index.split(sizes)
+    for g in range(0, len(group_shape), 3):
+        rows, _, width = group_shape[g : g + 3]
+        index, src, dst = parts[g : g + 3]
+        q, k, v = (unpack(t, src, dst, rows, width) for t in (query, key, value))
+        group_mask = mask.index_select(0, index)[:, :, :width, :width]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=group_mask, scale=scale, enable_gqa=gqa)
-        out[src] = o.transpose(1, 2).reshape(len(rows) * width, heads, head_dim)[dst]
+        out[src] = o.transpose(1, 2).reshape(rows * width, heads, head_dim)[dst]
     return out[None]
 
 
@@ -155,14 +189,26 @@ def paged_attention(
     layer: int = getattr(module, "layer_idx")  # noqa: B009 (transformers sets it on its attention modules)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     cache = (meta.store.k[layer], meta.store.v[layer])
-    step = (query, key, value, *cache, meta.write_blocks, meta.write_offsets)
-    if meta.use_kernel and meta.is_prefill:  # the C++ operators: write and attend, no Python
-        out = torch.ops.tokenfleet.paged_prefill(*step, meta.starts, float(scale))
-    elif meta.use_kernel:
-        out = torch.ops.tokenfleet.paged_decode(*step, meta.block_tables, meta.lengths, float(scale))
-    else:
-        tables = None if meta.is_prefill else meta.block_tables
-        out = paged_attention_op(*step, meta.mask, tables, meta.lengths, float(scale))
+    if meta.use_kernel:  # the C++ operators: write and attend, no Python
+        step = (query, key, value, *cache, meta.write_blocks, meta.write_offsets)
+        if meta.is_prefill:
+            return torch.ops.tokenfleet.paged_prefill(*step, meta.starts, float(scale)), None
+        return torch.ops.tokenfleet.paged_decode(*step, meta.block_tables, meta.lengths, float(scale)), None
+    groups = meta.groups
+    out = paged_attention_op(
+        query,
+        key,
+        value,
+        *cache,
+        meta.slots,
+        meta.mask,
+        None if meta.is_prefill else meta.block_tables,
+        meta.lengths,
+        float(scale),
+        None if groups is None else groups.index,
+        [] if groups is None else groups.shape,
+        meta.use_triton,
+    )
     return out, None
 
 

@@ -18,13 +18,15 @@ from tokenfleet.config import KVCacheConfig
 from tokenfleet.core.interface import ModelFacts
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.core.vocab import eos_token_ids, max_token_chars
-from tokenfleet.engines.native import attention
+from tokenfleet.engines.native import attention, triton_paged
 from tokenfleet.engines.native.compiled import compile_decode, compile_prefill
 from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
 from tokenfleet.engines.native.cpu_linear import KernelLinear, linear_route, pack_linears
+from tokenfleet.engines.native.cuda_graphs import DecodeGraphs
 from tokenfleet.engines.native.device import select_device, select_dtype
 from tokenfleet.engines.native.sampling import choose_tokens
 from tokenfleet.engines.native.shapes import decode_buckets, prefill_padded_size
+from tokenfleet.engines.native.step_inputs import Uploader, decode_step, prefill_step
 from tokenfleet.kvcache.store import PagedKVStore
 
 log = logging.getLogger(__name__)
@@ -49,9 +51,12 @@ class ModelRunner:
         bf16_linear: str = "auto",
         onednn_linear: bool = True,
         paged_kernel: bool = True,
+        cuda_graphs: bool = True,
+        max_seq_len: int = 2048,
     ):
         """``bf16_linear``, ``onednn_linear`` and ``paged_kernel``: the CPU routes of
-        :class:`~tokenfleet.config.EngineConfig`, each equivalent in results."""
+        :class:`~tokenfleet.config.EngineConfig`, each equivalent in results; ``cuda_graphs``:
+        decode replayed from graphs (CUDA, with Triton), tables ``max_seq_len`` tokens wide."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         kv = kv or KVCacheConfig()
@@ -91,8 +96,24 @@ class ModelRunner:
         self.use_kernel = self.device.type == "cpu" and paged_attention_kernels(paged_kernel) is not None
         self.use_prefill_kernel = self.use_kernel and self.head_dim % 16 == 0  # its widest vector (AVX-512)
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.upload = Uploader(self.device)  # a step's integer inputs: one copy to the device
         self.pad_prefill = self.device.type == "cpu"  # see shapes.prefill_padded_size
         self.decode_buckets = decode_buckets(max_batch_size)
+        # on a GPU: decode attention in the Triton kernel (block tables read on the device)
+        self.use_triton = self.device.type == "cuda" and triton_paged.available()
+        self.graphs = (
+            DecodeGraphs(
+                self.store,
+                self.upload,
+                self.decode_buckets,
+                -(-max_seq_len // self.block_size),
+                self.scratch_block,
+                self.pad_token_id,
+            )
+            if cuda_graphs and self.use_triton
+            else None
+        )
         # after the KV budget, which counts the weights as loaded
         route = linear_route(self.device, self.dtype, self.model, bf16_linear, onednn_linear)
         if route == "kernel":
@@ -110,7 +131,6 @@ class ModelRunner:
             getattr(self.model, "generation_config", None), self.model.config, self.tokenizer
         )
         self.max_token_chars = max_token_chars(self.tokenizer)
-        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         log.info(
             "engine: %s on %s/%s, KV pool %d blocks x %d tokens (%.1f MiB)",
             model_dir,
@@ -178,44 +198,22 @@ class ModelRunner:
     ) -> torch.Tensor:
         """One forward over the prompts laid end to end (``[1, N]``); attention unpacks them to
         one row per prompt, each attending causally to its own tokens."""
-        dev = self.device
         real = sum(len(t) for t in token_lists)
         # padding, if any, is one more prompt of pad tokens whose K/V go to the scratch block
         pad = prefill_padded_size(real) - real if self.pad_prefill else 0
         lengths = torch.tensor([len(t) for t in token_lists] + ([pad] if pad else []))
         rows, width = len(lengths), int(lengths.max())
         self.last_prefill_tokens += real + pad
-        segment = torch.repeat_interleave(torch.arange(rows), lengths)
-        ends = torch.cumsum(lengths, 0)
-        starts = ends - lengths
-        positions = torch.arange(real + pad) - starts[segment]
         table = self._block_tables(tables, min_width=-(-pad // self.block_size))
         if pad:
             table = torch.cat([table, torch.full((1, table.shape[1]), self.scratch_block)])
-        use_kernel = self.use_prefill_kernel
-        mask = None
-        if not use_kernel:  # the kernel reads prompt bounds, not a [B, 1, L, L] mask
-            index = torch.arange(width)
-            causal = index[None, :] <= index[:, None]  # [L, L]
-            valid_key = index[None, :] < lengths[:, None]  # [B, L]
-            mask = (causal[None] & valid_key[:, None, :])[:, None].to(dev)
-        meta = attention.StepMetadata(
-            store=self.store,
-            is_prefill=True,
-            write_blocks=table[segment, positions // self.block_size].to(dev),
-            write_offsets=(positions % self.block_size).to(dev),
-            mask=mask,
-            starts=torch.cat([starts, ends[-1:]]).to(dev),
-            use_kernel=use_kernel,
-        )
         packed = [t for tokens in token_lists for t in tokens] + [self.pad_token_id] * pad
-        input_ids = torch.tensor(packed, dtype=torch.long)
-        compiled = (
-            self._compiled_prefill is not None and rows >= 2 and width >= 2
-        )  # sizes 0/1 get specialised
-        hidden = self._forward(input_ids[None].to(dev), positions[None].to(dev), meta, compiled)
-        last = (ends[: len(token_lists)] - 1).to(dev)
-        return self._logits(hidden[0, last])
+        ids, positions, last, meta = prefill_step(
+            self.store, self.upload, table, lengths, torch.tensor(packed), self.use_prefill_kernel
+        )
+        compiled = self._compiled_prefill is not None and rows >= 2 and width >= 2  # 0/1: specialised
+        hidden = self._forward(ids, positions, meta, compiled)
+        return self._logits(hidden[0, last[: len(token_lists)]])
 
     def _block_tables(self, tables: Sequence[list[int]], min_width: int = 1) -> torch.Tensor:
         width = max(min_width, max(len(t) for t in tables))
@@ -228,6 +226,12 @@ class ModelRunner:
         """One step for sequences whose newest token is not yet in the cache (``lengths`` count
         it, its slot already in the table); returns next-token logits ``[B, vocab]`` (float32)."""
         batch = len(block_tables)
+        if self.graphs is not None and self.graphs.captured:
+            graphed = self.graphs.run(
+                self._block_tables(block_tables), torch.tensor(list(lengths)), torch.tensor(last_tokens)
+            )
+            if graphed is not None:
+                return graphed
         padded = self.pad_decode_batches and batch <= self.decode_buckets[-1]
         compiled = padded and self._compiled is not None
         rows = next(b for b in self.decode_buckets if b >= batch) if padded else batch
@@ -240,24 +244,10 @@ class ModelRunner:
             tables = torch.cat([tables, torch.full((pad, tables.shape[1]), self.scratch_block)])
             stored = torch.cat([stored, torch.ones(pad, dtype=torch.long)])
             tokens = torch.cat([tokens, torch.full((pad,), self.pad_token_id, dtype=torch.long)])
-        last = stored - 1
-        blocks = tables[torch.arange(rows), last // self.block_size]
-        dev = self.device
-        mask = None
-        if not self.use_kernel:
-            key_pos = torch.arange(tables.shape[1] * self.block_size)
-            mask = (key_pos[None, :] < stored[:, None])[:, None, None, :].to(dev)
-        meta = attention.StepMetadata(
-            store=self.store,
-            is_prefill=False,
-            write_blocks=blocks.to(dev),
-            write_offsets=(last % self.block_size).to(dev),
-            mask=mask,
-            block_tables=tables.to(dev),
-            lengths=stored.to(dev),
-            use_kernel=self.use_kernel,
+        ids, positions, meta = decode_step(
+            self.store, self.upload, tables, stored, tokens, self.use_kernel, self.use_triton
         )
-        hidden = self._forward(tokens[:, None].to(dev), last[:, None].to(dev), meta, compiled)
+        hidden = self._forward(ids, positions, meta, compiled)
         return self._logits(hidden[:batch, -1])
 
     def _forward(
@@ -283,10 +273,13 @@ class ModelRunner:
     def warm_up(self) -> float:
         """Compile prefill and every decode bucket before serving (through :meth:`prefill` and
         :meth:`decode` themselves, on throwaway sequences two blocks long, so the compiled code's
-        guards match real steps); returns the seconds it took."""
-        if self._compiled is None:
-            return 0.0
+        guards match real steps), and capture decode's CUDA graphs; returns the seconds it took."""
         start = time.perf_counter()
+        if self.graphs is not None:
+            log.info("capturing decode as CUDA graphs (once per worker start)")
+            self.graphs.capture(lambda ids, pos, meta: self._logits(self._forward(ids, pos, meta)[:, -1]))
+        if self._compiled is None:
+            return time.perf_counter() - start
         tokens = self.block_size + 1  # two blocks each: blocks 2i and 2i+1, nothing else runs yet
         log.info("compiling prefill (once per worker start)")
         self.prefill([[0, 1], [2, 3]], [[self.pad_token_id] * tokens] * 2)

@@ -1,0 +1,155 @@
+"""A step's inputs and attention metadata: index arithmetic on the host, then one copy to the device.
+
+On an accelerator every host-to-device copy of a small pageable tensor blocks the host until the
+device has drained its queue; a step used to make seven of them (and one more per layer in
+prefill). Here all of a step's integer inputs are laid in one pinned buffer and sent with one
+non-blocking copy into a persistent device buffer; masks are built on the device from the
+lengths. On the CPU the host tensors are used as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tokenfleet.engines.native.attention import PrefillGroups, StepMetadata, length_groups
+from tokenfleet.kvcache.store import PagedKVStore
+
+
+class Uploader:
+    """Sends int64 tensors to ``device`` in one copy; returns device views shaped like them."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.copies = 0  # host-to-device copies made (one per send): for tests and profiles
+        self._host: torch.Tensor | None = None
+        self._dev: torch.Tensor | None = None
+        self._sent: torch.cuda.Event | None = None
+
+    def send(self, tensors: Sequence[torch.Tensor], into: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """``into``: a device buffer to land in (a captured graph's fixed inputs), else our own."""
+        if self.device.type == "cpu" and into is None:
+            return [t.to(torch.long) for t in tensors]
+        sizes = [t.numel() for t in tensors]
+        total = sum(sizes)
+        if self._host is None or self._host.numel() < total:
+            size = max(total, 2 * (0 if self._host is None else self._host.numel()), 4096)
+            pin = self.device.type != "cpu"
+            self._host = torch.empty(size, dtype=torch.long, pin_memory=pin)
+            self._dev = torch.empty(size, dtype=torch.long, device=self.device)
+        elif self._sent is not None:
+            self._sent.synchronize()  # the last copy has left the host buffer (long done by now)
+        host = self._host[:total]
+        torch.cat([t.reshape(-1).to(torch.long) for t in tensors], out=host)
+        assert self._dev is not None
+        dev = (into if into is not None else self._dev)[:total]
+        dev.copy_(host, non_blocking=True)
+        self.copies += 1
+        if self.device.type == "cuda":
+            self._sent = torch.cuda.Event()
+            self._sent.record()
+        return [part.view(t.shape) for part, t in zip(dev.split(sizes), tensors)]
+
+
+def decode_step(
+    store: PagedKVStore,
+    upload: Uploader,
+    tables: torch.Tensor,
+    stored: torch.Tensor,
+    tokens: torch.Tensor,
+    use_kernel: bool,
+    use_triton: bool = False,
+    into: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
+    """``input_ids`` ``[B, 1]``, ``position_ids`` ``[B, 1]`` and metadata for a decode step whose
+    rows have ``stored`` tokens (the newest, ``tokens``, among them) in blocks ``tables``."""
+    bs = store.block_size
+    last = stored - 1
+    blocks = tables[torch.arange(len(tables)), last // bs]
+    offsets = last % bs
+    sent = [tokens[:, None], last[:, None], blocks * bs + offsets, tables, stored]
+    if use_kernel:
+        sent += [blocks, offsets]
+    ids, positions, slots, dev_tables, lengths, *kernel_places = upload.send(sent, into)
+    mask = None
+    if not use_kernel and not use_triton:
+        key_pos = torch.arange(tables.shape[1] * bs, device=upload.device)
+        mask = (key_pos[None, :] < lengths[:, None])[:, None, None, :]
+    meta = StepMetadata(
+        store=store,
+        is_prefill=False,
+        slots=slots,
+        write_blocks=kernel_places[0] if use_kernel else None,
+        write_offsets=kernel_places[1] if use_kernel else None,
+        mask=mask,
+        block_tables=dev_tables,
+        lengths=lengths,
+        use_kernel=use_kernel,
+        use_triton=use_triton,
+    )
+    return ids, positions, meta
+
+
+def prefill_step(
+    store: PagedKVStore,
+    upload: Uploader,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    packed: torch.Tensor,
+    use_kernel: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepMetadata]:
+    """``input_ids`` ``[1, N]``, ``position_ids`` ``[1, N]``, each prompt's last token's index and
+    metadata for a packed prefill of prompts of ``lengths`` laid end to end (``packed``), prompt
+    ``b``'s blocks in ``table[b]``."""
+    bs = store.block_size
+    rows = len(lengths)
+    segment = torch.repeat_interleave(torch.arange(rows), lengths)
+    ends = torch.cumsum(lengths, 0)
+    starts = ends - lengths
+    positions = torch.arange(len(segment)) - starts[segment]
+    blocks = table[segment, positions // bs]
+    offsets = positions % bs
+    sent = [packed[None], positions[None], blocks * bs + offsets, ends - 1]
+    if use_kernel:  # the C++ operator reads prompt bounds
+        sent += [torch.cat([starts, ends[-1:]]), blocks, offsets]
+        groups = None
+    else:  # SDPA over groups of similar lengths: their index arithmetic once, not per layer
+        groups = group_indices(lengths)
+        sent += [lengths, groups.index]
+    ids, pos, slots, last, *rest = upload.send(sent)
+    mask = None
+    if groups is not None:
+        dev_lengths, groups.index = rest
+        index = torch.arange(int(lengths.max()), device=upload.device)
+        causal = index[None, :] <= index[:, None]  # [L, L]
+        mask = (causal[None] & (index[None, :] < dev_lengths[:, None])[:, None, :])[:, None]
+    meta = StepMetadata(
+        store=store,
+        is_prefill=True,
+        slots=slots,
+        write_blocks=rest[1] if use_kernel else None,
+        write_offsets=rest[2] if use_kernel else None,
+        mask=mask,
+        starts=rest[0] if use_kernel else None,
+        groups=groups,
+        use_kernel=use_kernel,
+    )
+    return ids, pos, last, meta
+
+
+def group_indices(lengths: torch.Tensor) -> PrefillGroups:
+    """For each group of similar lengths (see :func:`length_groups`): its rows, each of its tokens'
+    place in the packed step and in the group's ``[rows, width]`` padding."""
+    starts = torch.cumsum(lengths, 0) - lengths
+    parts: list[torch.Tensor] = []
+    shape: list[int] = []
+    for rows in length_groups(lengths.tolist()):
+        index = torch.tensor(rows)
+        lens = lengths[index]
+        width = int(lens.max())
+        segment = torch.repeat_interleave(torch.arange(len(rows)), lens)
+        position = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[segment]
+        parts += [index, starts[index][segment] + position, segment * width + position]
+        shape += [len(rows), len(segment), width]
+    return PrefillGroups(index=torch.cat(parts), shape=shape)
