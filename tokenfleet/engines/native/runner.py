@@ -274,6 +274,8 @@ class ModelRunner:
         """Compile prefill and every decode bucket before serving (through :meth:`prefill` and
         :meth:`decode` themselves, on throwaway sequences two blocks long, so the compiled code's
         guards match real steps), and capture decode's CUDA graphs; returns the seconds it took."""
+        if self.graphs is None and self._compiled is None:
+            return 0.0  # nothing to warm: no log line either
         start = time.perf_counter()
         if self.graphs is not None:
             log.info("capturing decode as CUDA graphs (once per worker start)")
