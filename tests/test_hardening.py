@@ -176,7 +176,7 @@ def test_a_row_that_cannot_be_sampled_fails_alone():
 
     class Row:
         def __init__(self, temperature):
-            self.temperature, self.top_p, self.top_k, self.generator = temperature, 1.0, 0, None
+            self.temperature, self.top_p, self.top_k, self.sampling_seed = temperature, 1.0, 0, None
             self.generated: list[int] = []
             self.request = type("R", (), {"seed": 1})()
             self.sampling_error = None

@@ -15,7 +15,7 @@ class Row:
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.request = type("R", (), {"seed": seed})()
         self.generated = list(generated)
-        self.generator = None
+        self.sampling_seed = None
         self.sampling_error = None
 
 

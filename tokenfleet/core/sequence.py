@@ -74,7 +74,7 @@ class SeqState:
 
     def __post_init__(self) -> None:
         self.detok = Detokenizer(self.tokenizer)
-        self.generator: Any = None  # the backend's random state for a sampled request, made on first use
+        self.sampling_seed: int | None = None  # a sampled request's seed: its own, or drawn on first use
         self.sampling_error: str | None = None  # why a step could not choose this row's token
         self._holdback = max((len(s) for s in self.request.stop), default=1) - 1
 

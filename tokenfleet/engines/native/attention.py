@@ -35,21 +35,21 @@ class StepMetadata:
     """Where this step's K/V go in the store and which keys each query may see.
 
     Every one of the step's tokens is written at pool slot ``slots`` (block x block_size +
-    offset; the padding rows of a padded batch go to the store's scratch block). Prefill is
-    packed: the model sees the prompts laid end to end (``[1, N]``: no padding in the matmuls),
-    and attention scatters prompts of similar lengths into padded rows (``groups``) to run under
-    their part of ``mask`` ``[B, 1, L, L]``, then packs the result back; or, with ``use_kernel``,
-    the C++ operator ``tokenfleet::paged_prefill`` attends on the packed tokens themselves (prompt
-    ``b`` is tokens ``starts[b] .. starts[b + 1]``) and does the write (at ``write_blocks``,
-    ``write_offsets``). Decode attends to each sequence's ``lengths`` keys found through
-    ``block_tables`` ``[B, max_blocks]``: read in place by the C++ operator
-    ``tokenfleet::paged_decode`` (``use_kernel``) or the Triton kernel (``use_triton``), or
-    gathered and masked by ``mask`` ``[B, 1, 1, max_blocks * block_size]``.
+    offset), or for the C++ kernels at ``write_blocks``, ``write_offsets``; the padding rows of
+    a padded batch go to the store's scratch block. Prefill is packed: the model sees the prompts
+    laid end to end (``[1, N]``: no padding in the matmuls), and attention scatters prompts of
+    similar lengths into padded rows (``groups``) to run under their part of ``mask``
+    ``[B, 1, L, L]``, then packs the result back; or, with ``use_kernel``, the C++ operator
+    ``tokenfleet::paged_prefill`` attends on the packed tokens themselves (prompt ``b`` is tokens
+    ``starts[b] .. starts[b + 1]``) and does the write. Decode attends to each sequence's
+    ``lengths`` keys found through ``block_tables`` ``[B, max_blocks]``: read in place by the C++
+    operator ``tokenfleet::paged_decode`` (``use_kernel``) or the Triton kernel (``use_triton``),
+    or gathered and masked by ``mask`` ``[B, 1, 1, max_blocks * block_size]``.
     """
 
     store: PagedKVStore
     is_prefill: bool
-    slots: torch.Tensor
+    slots: torch.Tensor | None = None
     write_blocks: torch.Tensor | None = None
     write_offsets: torch.Tensor | None = None
     mask: torch.Tensor | None = None
@@ -195,6 +195,7 @@ def paged_attention(
             return torch.ops.tokenfleet.paged_prefill(*step, meta.starts, float(scale)), None
         return torch.ops.tokenfleet.paged_decode(*step, meta.block_tables, meta.lengths, float(scale)), None
     groups = meta.groups
+    assert meta.slots is not None, "the torch and Triton routes write by slot"
     out = paged_attention_op(
         query,
         key,

@@ -29,16 +29,16 @@ def uniform(seed: int, counter: int) -> float:
 
 
 def row_seed(row: Any) -> int:
-    """The request's seed, or one drawn once for it (kept in ``row.generator``)."""
-    if row.generator is None:
+    """The request's seed, or one drawn once for it (kept in ``row.sampling_seed``)."""
+    if row.sampling_seed is None:
         seed = row.request.seed
-        row.generator = secrets.randbits(63) if seed is None else int(seed) & MASK64
-    return int(row.generator)
+        row.sampling_seed = secrets.randbits(63) if seed is None else int(seed) & MASK64
+    return int(row.sampling_seed)
 
 
 def choose_tokens(logits: torch.Tensor, params: Sequence[Any]) -> list[int | None]:
     """One token per row of ``logits`` ``[B, vocab]``; ``params[i]`` has ``temperature``,
-    ``top_p``, ``top_k``, ``generated``, ``request.seed`` and ``generator`` (a
+    ``top_p``, ``top_k``, ``generated``, ``request.seed`` and ``sampling_seed`` (a
     :class:`~tokenfleet.core.sequence.SeqState`). A row that cannot be sampled gets ``None`` and
     its error in ``sampling_error``: it fails alone, its batch-mates go on."""
     sampled = [row for row, p in enumerate(params) if p.temperature > 0.0]

@@ -52,6 +52,21 @@ class Uploader:
         return [part.view(t.shape) for part, t in zip(dev.split(sizes), tensors)]
 
 
+def write_places(
+    blocks: torch.Tensor, offsets: torch.Tensor, block_size: int, use_kernel: bool
+) -> list[torch.Tensor]:
+    """Where each token's K/V go: block and offset for the C++ kernels, one pool slot otherwise."""
+    return [blocks, offsets] if use_kernel else [blocks * block_size + offsets]
+
+
+Places = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def placed(places: list[torch.Tensor]) -> Places:
+    """:func:`write_places`' tensors (on the device) as ``slots, write_blocks, write_offsets``."""
+    return (None, places[0], places[1]) if len(places) == 2 else (places[0], None, None)
+
+
 def decode_step(
     store: PagedKVStore,
     upload: Uploader,
@@ -66,12 +81,10 @@ def decode_step(
     rows have ``stored`` tokens (the newest, ``tokens``, among them) in blocks ``tables``."""
     bs = store.block_size
     last = stored - 1
-    blocks = tables[torch.arange(len(tables)), last // bs]
-    offsets = last % bs
-    sent = [tokens[:, None], last[:, None], blocks * bs + offsets, tables, stored]
-    if use_kernel:
-        sent += [blocks, offsets]
-    ids, positions, slots, dev_tables, lengths, *kernel_places = upload.send(sent, into)
+    places = write_places(tables[torch.arange(len(tables)), last // bs], last % bs, bs, use_kernel)
+    sent = upload.send([tokens[:, None], last[:, None], tables, stored, *places], into)
+    ids, positions, dev_tables, lengths, *places = sent
+    slots, write_blocks, write_offsets = placed(places)
     mask = None
     if not use_kernel and not use_triton:
         key_pos = torch.arange(tables.shape[1] * bs, device=upload.device)
@@ -80,8 +93,8 @@ def decode_step(
         store=store,
         is_prefill=False,
         slots=slots,
-        write_blocks=kernel_places[0] if use_kernel else None,
-        write_offsets=kernel_places[1] if use_kernel else None,
+        write_blocks=write_blocks,
+        write_offsets=write_offsets,
         mask=mask,
         block_tables=dev_tables,
         lengths=lengths,
@@ -103,24 +116,22 @@ def prefill_step(
     metadata for a packed prefill of prompts of ``lengths`` laid end to end (``packed``), prompt
     ``b``'s blocks in ``table[b]``."""
     bs = store.block_size
-    rows = len(lengths)
-    segment = torch.repeat_interleave(torch.arange(rows), lengths)
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
     ends = torch.cumsum(lengths, 0)
     starts = ends - lengths
     positions = torch.arange(len(segment)) - starts[segment]
-    blocks = table[segment, positions // bs]
-    offsets = positions % bs
-    sent = [packed[None], positions[None], blocks * bs + offsets, ends - 1]
-    if use_kernel:  # the C++ operator reads prompt bounds
-        sent += [torch.cat([starts, ends[-1:]]), blocks, offsets]
-        groups = None
-    else:  # SDPA over groups of similar lengths: their index arithmetic once, not per layer
-        groups = group_indices(lengths)
-        sent += [lengths, groups.index]
-    ids, pos, slots, last, *rest = upload.send(sent)
+    places = write_places(table[segment, positions // bs], positions % bs, bs, use_kernel)
+    groups = None if use_kernel else group_indices(lengths)
+    # the C++ operator reads prompt bounds; SDPA runs over groups of similar lengths, their
+    # index arithmetic done once here, not per layer
+    bounds = [torch.cat([starts, ends[-1:]])] if groups is None else [lengths, groups.index]
+    sent = upload.send([packed[None], positions[None], ends - 1, *bounds, *places])
+    ids, pos, last = sent[:3]
+    bounds = sent[3 : 3 + len(bounds)]
+    slots, write_blocks, write_offsets = placed(sent[3 + len(bounds) :])
     mask = None
     if groups is not None:
-        dev_lengths, groups.index = rest
+        dev_lengths, groups.index = bounds
         index = torch.arange(int(lengths.max()), device=upload.device)
         causal = index[None, :] <= index[:, None]  # [L, L]
         mask = (causal[None] & (index[None, :] < dev_lengths[:, None])[:, None, :])[:, None]
@@ -128,10 +139,10 @@ def prefill_step(
         store=store,
         is_prefill=True,
         slots=slots,
-        write_blocks=rest[1] if use_kernel else None,
-        write_offsets=rest[2] if use_kernel else None,
+        write_blocks=write_blocks,
+        write_offsets=write_offsets,
         mask=mask,
-        starts=rest[0] if use_kernel else None,
+        starts=bounds[0] if groups is None else None,
         groups=groups,
         use_kernel=use_kernel,
     )
