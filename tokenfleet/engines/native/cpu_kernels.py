@@ -2,7 +2,9 @@
 
 Loading them registers the operators ``torch.ops.tokenfleet.paged_decode`` and
 ``torch.ops.tokenfleet.paged_prefill`` (write the step's K/V into the pool, attend), and
-``pack_linear_bf16`` / ``linear_bf16`` (bf16 linears on AVX512-BF16, see ``cpu_linear``), with
+``pack_linear_bf16`` / ``linear_bf16`` (bf16 linears on AVX512-BF16, see ``cpu_linear``) and a
+decoder layer's elementwise parts (``rms_norm``, ``add_rms_norm``, ``rotary_``, ``silu_and_mul``,
+see ``decoder``), with
 shape-only implementations here so that ``torch.compile`` can trace them. They are
 compiled for this machine's CPU with the C++ compiler PyTorch finds (``torch.utils.cpp_extension``),
 cached under ``~/.cache/tokenfleet/kernels/<cpu>``, and loaded once per process. When it cannot
@@ -29,7 +31,12 @@ from tokenfleet.config.loading import cache_dir
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "paged_decode_cpu.cpp", CSRC / "paged_prefill_cpu.cpp", CSRC / "linear_bf16_cpu.cpp"]
+SOURCES = [
+    CSRC / "paged_decode_cpu.cpp",
+    CSRC / "paged_prefill_cpu.cpp",
+    CSRC / "linear_bf16_cpu.cpp",
+    CSRC / "layer_ops_cpu.cpp",
+]
 HEADERS = [CSRC / "common.h"]
 CFLAGS = [
     "-O3",

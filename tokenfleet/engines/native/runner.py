@@ -23,6 +23,7 @@ from tokenfleet.engines.native.compiled import compile_decode, compile_prefill
 from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
 from tokenfleet.engines.native.cpu_linear import KernelLinear, linear_route, pack_linears
 from tokenfleet.engines.native.cuda_graphs import DecodeGraphs
+from tokenfleet.engines.native.decoder import lean_decoder
 from tokenfleet.engines.native.device import select_device, select_dtype
 from tokenfleet.engines.native.sampling import choose_tokens
 from tokenfleet.engines.native.shapes import decode_buckets, prefill_padded_size
@@ -114,6 +115,8 @@ class ModelRunner:
             if cuda_graphs and self.use_triton
             else None
         )
+        # eager CPU steps run the lean forward where the architecture allows (compiled ones fuse themselves)
+        self.lean = lean_decoder(self.model) if self.use_kernel and not compile else None
         # after the KV budget, which counts the weights as loaded
         route = linear_route(self.device, self.dtype, self.model, bf16_linear, onednn_linear)
         if route == "kernel":
@@ -257,6 +260,8 @@ class ModelRunner:
         meta: attention.StepMetadata,
         compiled: bool = False,
     ) -> torch.Tensor:
+        if self.lean is not None:
+            return self.lean(input_ids, position_ids, meta)
         model = self.model.base_model
         if compiled and meta.is_prefill:
             model = self._compiled_prefill

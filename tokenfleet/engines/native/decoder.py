@@ -1,0 +1,131 @@
+"""A lean forward pass for Llama-family models on the CPU, in place of transformers' own.
+
+Eager transformers runs ~45 operators and a dozen module calls a decoder layer; on SmolLM2
+(30 layers of hidden size 576) that host work took a fifth of a batch-32 decode step. Here a layer
+is eight calls: the norms with their residual adds, the rotary embedding and SiLU-and-multiply
+each one C++ pass (``csrc/layer_ops_cpu.cpp``), and the query/key/value and gate/up projections
+each one linear over weights concatenated at load (:func:`fuse_projections`).
+
+The arithmetic is the model's own: each operation rounds where transformers' code rounds, so only
+the order of the norm's sum of squares and SiLU's exp differ in the last bit (the greedy
+equivalence tests run through this path). Models of other architectures keep transformers'
+forward; so does ``--compile``, whose graphs fuse the same work themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenfleet.engines.native.attention import StepMetadata, paged_attention
+
+log = logging.getLogger(__name__)
+
+# Architectures whose layers are exactly: RMSNorm, q/k/v projections (biases allowed), rotate-half
+# rotary embedding, attention, o projection, residual add, RMSNorm, SiLU-gated MLP, residual add.
+FUSABLE_MODEL_TYPES = ("llama", "mistral", "qwen2")
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
+def unfusable_reason(model: Any) -> str | None:
+    """Why ``model`` cannot take the lean forward (``None``: it can)."""
+    cfg: Any = model.config.get_text_config()
+    if cfg.model_type not in FUSABLE_MODEL_TYPES:
+        return f"model type {cfg.model_type!r} (lean forward: {', '.join(FUSABLE_MODEL_TYPES)})"
+    if getattr(cfg, "hidden_act", None) != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
+        return "an MLP other than SiLU-gated"
+    if model.dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {model.dtype}"
+    for layer in getattr(model.base_model, "layers", None) or [None]:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        linears = [getattr(attn, n, None) for n in ATTENTION_LINEARS]
+        linears += [getattr(mlp, n, None) for n in MLP_LINEARS]
+        if not all(type(m) is nn.Linear for m in linears):
+            return "layers not made of the usual projections"
+        if any(hasattr(attn, extra) for extra in ("q_norm", "k_norm")):
+            return "query/key norms"
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            norm = getattr(layer, name, None)
+            if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
+                return "a norm other than RMSNorm"
+    return None
+
+
+def concatenated(linears: list[nn.Linear]) -> nn.Linear:
+    """One linear computing ``linears``' outputs side by side."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None, dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if fused.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
+    return fused
+
+
+def fuse_projections(model: Any) -> None:
+    """Replace each layer's q/k/v projections with one ``qkv_proj`` and gate/up with one
+    ``gate_up_proj`` (the originals are dropped: transformers' forward no longer runs this model,
+    :class:`LeanDecoder` does). Done before the linears are packed, so the fused ones are."""
+    for layer in model.base_model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = concatenated([attn.q_proj, attn.k_proj, attn.v_proj])
+        mlp.gate_up_proj = concatenated([mlp.gate_proj, mlp.up_proj])
+        for parent, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
+            for name in names:
+                delattr(parent, name)
+
+
+class LeanDecoder:
+    """The forward of a model whose projections :func:`fuse_projections` fused; called as the
+    engine calls transformers' base model, returns the final hidden states ``[B, T, hidden]``."""
+
+    def __init__(self, model: Any):
+        base = model.base_model
+        cfg = model.config.get_text_config()
+        self.embed, self.rotary, self.layers = base.embed_tokens, base.rotary_emb, list(base.layers)
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        # each add-and-norm takes the next norm's weight: layer i's MLP output feeds layer i + 1's input norm
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [base.norm]
+        self.next_norms = [(n.weight, float(n.variance_epsilon)) for n in norms]
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        ops = torch.ops.tokenfleet
+        batch, steps = input_ids.shape
+        tokens = batch * steps
+        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        residual = self.embed(input_ids).view(tokens, -1)
+        cos, sin = (t.reshape(tokens, self.head_dim) for t in self.rotary(residual, positions))
+        first = self.layers[0].input_layernorm
+        normed = ops.rms_norm(residual, first.weight, float(first.variance_epsilon))
+        for layer, (next_weight, next_eps) in zip(self.layers, self.next_norms):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = ops.rotary_(attn.qkv_proj(normed), cos, sin, self.heads + self.kv_heads)
+            query = qkv[:, :q_width].view(batch, steps, self.heads, self.head_dim).transpose(1, 2)
+            key = qkv[:, q_width : q_width + kv_width].view(batch, steps, self.kv_heads, self.head_dim)
+            value = qkv[:, q_width + kv_width :].view(batch, steps, self.kv_heads, self.head_dim)
+            key, value = key.transpose(1, 2), value.transpose(1, 2)
+            out, _ = paged_attention(attn, query, key, value, None, attn.scaling, tokenfleet_step=meta)
+            post = layer.post_attention_layernorm
+            attended = attn.o_proj(out.reshape(tokens, q_width))
+            normed = ops.add_rms_norm(attended, residual, post.weight, float(post.variance_epsilon))
+            down = mlp.down_proj(ops.silu_and_mul(mlp.gate_up_proj(normed)))
+            normed = ops.add_rms_norm(down, residual, next_weight, next_eps)
+        return normed.view(batch, steps, -1)
+
+
+def lean_decoder(model: Any) -> LeanDecoder | None:
+    """Fuse ``model``'s projections and return its lean forward, or ``None`` (logged) where its
+    architecture is not one :class:`LeanDecoder` computes exactly."""
+    reason = unfusable_reason(model)
+    if reason is not None:
+        log.info("engine: transformers' forward (no lean forward for %s)", reason)
+        return None
+    fuse_projections(model)
+    log.info("engine: lean forward, q/k/v and gate/up projections fused, norms and rotary in C++")
+    return LeanDecoder(model)
