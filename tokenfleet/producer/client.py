@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -11,14 +12,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet.config import redis_url_from_env
-from tokenfleet.producer.base import ClientBase, Outage, new_events
+from tokenfleet.producer.base import RECONNECT_GIVE_UP_S, ClientBase, Outage, new_events, reply_events
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
 from tokenfleet.producer.routing import (
     enqueue_args,
     next_block_ms,
     queue_full_error,
+    result_timeout,
     target_stream,
 )
+from tokenfleet.producer.thread_replies import ThreadedReplyReader
 from tokenfleet.protocol import ReplyEvent
 from tokenfleet.transport.connection import connect_client
 
@@ -41,6 +44,10 @@ class Client(ClientBase):
         client: redis.Redis | None = None,
     ):
         super().__init__(client or connect_client(redis_url_from_env(redis_url)), model, prefix, buckets)
+        # every stream followed by one read on a thread of its own; on a Cluster (reply streams
+        # on different slots, which one XREAD cannot span) each request reads its own
+        cluster = isinstance(self.redis, redis.RedisCluster)
+        self._replies = None if cluster else ThreadedReplyReader(self.redis, self.keys, RECONNECT_GIVE_UP_S)
 
     def buckets(self) -> list[int]:
         """Bucket sizes served by the fleet (announced by workers; cached for a few seconds)."""
@@ -81,7 +88,33 @@ class Client(ClientBase):
 
     def events(self, request_id: str, timeout: float | None = None) -> Iterator[ReplyEvent]:
         """Every reply event of a request from the first, live, until the terminal one. Works for
-        requests submitted elsewhere, earlier (until their reply TTL expires)."""
+        requests submitted elsewhere, earlier (until their reply TTL expires). Safe to call from
+        many threads at once: one read follows every stream this client is streaming."""
+        key = self.keys.reply_stream(request_id)
+        if self._replies is None or self._replies.following(key):  # Cluster, or a second reader of it
+            yield from self._events_one_read_each(request_id, timeout)
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        inbox = self._replies.follow(key)
+        try:
+            while True:
+                wait_s = None if deadline is None else deadline - time.monotonic()
+                if wait_s is not None and wait_s <= 0:
+                    raise result_timeout(request_id, timeout)
+                try:
+                    entries = inbox.get(timeout=wait_s)
+                except queue.Empty:
+                    continue  # the deadline, checked above
+                if isinstance(entries, BaseException):
+                    raise entries
+                for _, event in reply_events(entries):
+                    yield event
+                    if event.terminal:
+                        return
+        finally:
+            self._replies.unfollow(key)
+
+    def _events_one_read_each(self, request_id: str, timeout: float | None) -> Iterator[ReplyEvent]:
         key = self.keys.reply_stream(request_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         last: Any = "0"
@@ -123,6 +156,8 @@ class Client(ClientBase):
         pipe.execute()
 
     def close(self) -> None:
+        if self._replies is not None:
+            self._replies.close()
         self.redis.close()
 
     def __enter__(self) -> Client:
