@@ -25,6 +25,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 // AVX-512 F, BW and VL: every Xeon since Skylake-SP, Zen 4 (not Knights Landing, which lacks BW).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -291,30 +292,33 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
   // Task = (panel, row chunk), panel-major: a thread's tasks share panels, which stay in L2.
-  at::parallel_for(0, panels * chunks, 1, [&](int64_t begin, int64_t end) {
+  // Handed out in shrinking runs of consecutive tasks (OpenMP's guided schedule): a thread the OS
+  // preempts (the client, Redis and the worker's I/O share these cores) holds up only the run it
+  // has, where a static split left the other threads waiting for its whole share.
+  const int64_t tasks = panels * chunks;
+#pragma omp parallel for schedule(guided) if (tasks > 1 && !omp_in_parallel())
+  for (int64_t task = 0; task < tasks; ++task) {
     alignas(64) float sums[ROWS * PANEL];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t panel = task / chunks, r0 = (task % chunks) * ROW_CHUNK;
-      const int64_t r1 = std::min(m, r0 + ROW_CHUNK), c0 = panel * PANEL;
-      const int64_t cols = std::min(PANEL, out_features - c0);
-      for (int64_t r = r0; r < r1; r += ROWS) {
-        const int64_t rows = std::min(ROWS, r1 - r);
-        run_tile(rows, xp + r * x_row, pairs, wp + panel * pairs * PANEL, pairs, cols, sums);
+    const int64_t panel = task / chunks, r0 = (task % chunks) * ROW_CHUNK;
+    const int64_t r1 = std::min(m, r0 + ROW_CHUNK), c0 = panel * PANEL;
+    const int64_t cols = std::min(PANEL, out_features - c0);
+    for (int64_t r = r0; r < r1; r += ROWS) {
+      const int64_t rows = std::min(ROWS, r1 - r);
+      run_tile(rows, xp + r * x_row, pairs, wp + panel * pairs * PANEL, pairs, cols, sums);
 #if defined(TOKENFLEET_LINEAR_AVX2)
-        store_tile(sums, rows, cols, bp ? bp + c0 : nullptr, op + r * out_features + c0, out_features);
+      store_tile(sums, rows, cols, bp ? bp + c0 : nullptr, op + r * out_features + c0, out_features);
 #else
-        for (int64_t i = 0; i < rows; ++i)
-          for (int64_t v = 0; v * 16 < cols; ++v) {
-            __m512 s = _mm512_loadu_ps(sums + i * PANEL + v * 16);
-            const int64_t left = cols - v * 16;  // columns of this panel from vector v on
-            const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-            if (bp) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(mask, bp + c0 + v * 16));
-            _mm256_mask_storeu_epi16(op + (r + i) * out_features + c0 + v * 16, mask, round_to_bf16(s));
-          }
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t v = 0; v * 16 < cols; ++v) {
+          __m512 s = _mm512_loadu_ps(sums + i * PANEL + v * 16);
+          const int64_t left = cols - v * 16;  // columns of this panel from vector v on
+          const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+          if (bp) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(mask, bp + c0 + v * 16));
+          _mm256_mask_storeu_epi16(op + (r + i) * out_features + c0 + v * 16, mask, round_to_bf16(s));
+        }
 #endif
-      }
     }
-  });
+  }
   return out;
 #else
   TORCH_CHECK(false, "tokenfleet::linear_bf16 needs a CPU with AVX-512 or AVX2 and FMA (this build has neither)");

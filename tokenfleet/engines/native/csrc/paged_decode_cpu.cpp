@@ -23,6 +23,8 @@
 
 #include "common.h"
 
+#include <omp.h>
+
 // The bf16 paths: with AVX512-BF16, q . k on VDPBF16PS; with AVX-512 alone or AVX2 and FMA, keys
 // widened to float32 (a shift) and float32 FMAs. All read the pool in memory order.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -282,10 +284,13 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_
   const float fscale = static_cast<float>(scale);
 
   // One sequence per task; its keys are read token by token, all heads of a token at once, so the
-  // pool streams through memory in order.
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  // pool streams through memory in order. Tasks go out in shrinking runs (guided): a thread the
+  // OS preempts holds up only the run it has, not a static share.
+#pragma omp parallel if (batch > 1 && !omp_in_parallel())
+  {
     std::vector<float> qf(heads * head_dim), acc(heads * head_dim), scores;
-    for (int64_t b = begin; b < end; ++b) {
+#pragma omp for schedule(guided)
+    for (int64_t b = 0; b < batch; ++b) {
       const int64_t len = lens[b];
       scores.resize(heads * len);
       if constexpr (!kBf16Vectors<T, D>)  // the bf16 path reads the query as it is
@@ -323,7 +328,7 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_
       T* dst = o + b * heads * head_dim;
       for (int64_t i = 0; i < heads * head_dim; ++i) dst[i] = static_cast<T>(acc[i]);
     }
-  });
+  }
 }
 
 template <typename T>
