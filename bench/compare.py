@@ -66,6 +66,7 @@ from bench.common import (
     worker_process,
 )
 from tokenfleet.config import DynamicBatchingConfig
+from tokenfleet.models import SIZES
 
 DEFAULT_MAX_PREFILL_TOKENS = DynamicBatchingConfig().max_prefill_tokens
 
@@ -807,7 +808,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="local HF model dir (default: build --size in a temp dir)")
     p.add_argument(
-        "--size", default="tiny", choices=["tiny", "small"], help="model built when --model is not given"
+        "--size", default="tiny", choices=list(SIZES), help="model built when --model is not given"
     )
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument(

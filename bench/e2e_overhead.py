@@ -36,6 +36,7 @@ from bench.compare import (
     summarize,
     worker_flags,
 )
+from tokenfleet.models import SIZES
 
 WITHIN = 0.95  # "within 5%": end to end at least this share of in process
 
@@ -45,7 +46,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="local HF model dir (default: build --size in a temp dir)")
-    p.add_argument("--size", default="small", choices=["tiny", "small"])
+    p.add_argument("--size", default="small", choices=list(SIZES))
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128)

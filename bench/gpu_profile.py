@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from bench.common import host_kind
+from tokenfleet.models import SIZES
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ")
 STEPS = 20
@@ -86,7 +87,7 @@ def profile_steps(runner, batch: int) -> dict:  # noqa: ANN001 (a ModelRunner)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="local HF model dir (default: build --size in a temp dir)")
-    p.add_argument("--size", default="small", choices=["tiny", "small"])
+    p.add_argument("--size", default="small", choices=list(SIZES))
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--batches", default="8,16,32")

@@ -30,6 +30,7 @@ from bench.common import (
     worker_process,
 )
 from bench.compare import make_workload
+from tokenfleet.models import SIZES
 from tokenfleet.producer import Client
 from tokenfleet.transport.embedded import EmbeddedRedis
 
@@ -88,7 +89,7 @@ def lone_ttfts(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="local HF model dir (default: build --size in a temp dir)")
-    p.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--size", default="tiny", choices=list(SIZES))
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-wait-ms", default="0,10,50", help="comma-separated values to try")

@@ -17,6 +17,7 @@ import time
 
 from bench.common import model_or_built
 from bench.compare import Req, make_workload, pool_blocks
+from tokenfleet.models import SIZES
 
 
 def serve_burst(engine, reqs: list[Req], budget: int, max_batch_size: int) -> dict:
@@ -65,7 +66,7 @@ def serve_burst(engine, reqs: list[Req], budget: int, max_batch_size: int) -> di
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="local HF model dir (default: build --size in a temp dir)")
-    p.add_argument("--size", default="small", choices=["tiny", "small"])
+    p.add_argument("--size", default="small", choices=list(SIZES))
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--budgets", default="8192,2048,1024", help="max_prefill_tokens values, comma-separated")
     p.add_argument("--requests", type=int, default=32)

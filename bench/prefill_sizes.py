@@ -20,12 +20,13 @@ import statistics
 from bench.common import model_or_built
 from bench.compare import make_workload, pool_blocks
 from bench.prefill_budget import serve_burst
+from tokenfleet.models import SIZES
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="local HF model dir (default: build --size in a temp dir)")
-    p.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--size", default="tiny", choices=list(SIZES))
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-batch-size", type=int, default=32)

@@ -32,6 +32,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.common import host_kind, model_or_built, percentile, worker_process
+from tokenfleet.models import SIZES
 from tokenfleet.producer import AsyncClient
 from tokenfleet.transport.embedded import EmbeddedRedis, free_port
 
@@ -233,7 +234,7 @@ def plot(rows: list[dict], target_ms: float, phase_s: float, path: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="local HF model dir (default: build a --size model in a temp dir)")
-    p.add_argument("--size", default="tiny", choices=("tiny", "small"))
+    p.add_argument("--size", default="tiny", choices=list(SIZES))
     p.add_argument("--dtype", default="auto")
     p.add_argument("--target-ms", type=float, help="default: 6x an idle worker's TTFT, at least 300")
     p.add_argument("--max-wait-ms", type=float, help="the controller's ceiling; default 5/3 x target")

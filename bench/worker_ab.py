@@ -24,6 +24,7 @@ from contextlib import ExitStack
 
 from bench.common import allocator_env, model_or_built, worker_process
 from bench.compare import drive_clients, make_workload, pool_blocks
+from tokenfleet.models import SIZES
 
 
 def parse_env(text: str) -> dict[str, str]:
@@ -37,7 +38,7 @@ def parse_env(text: str) -> dict[str, str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="local HF model dir (default: build --size in a temp dir)")
-    p.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--size", default="tiny", choices=list(SIZES))
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--a-env", default="", help="worker A's environment: NAME=value,...")
     p.add_argument("--b-env", default="", help="worker B's environment: NAME=value,...")

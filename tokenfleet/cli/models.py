@@ -18,10 +18,12 @@ def model() -> None:
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option(
     "--size",
-    type=click.Choice(["tiny", "small"]),
+    type=click.Choice(["tiny", "small", "qwen2-like", "wide"]),
     default="tiny",
     show_default=True,
-    help="tiny: ~3M parameters (tests, demo); small: ~113M, hidden 768, 12 layers (benchmarks).",
+    help="tiny: ~3M parameters (tests, demo); small: ~113M, hidden 768, 12 layers (benchmarks); "
+    "qwen2-like: Qwen2's layout (q/k/v biases, head_dim 128, 152k tied vocabulary), 8 layers; "
+    "wide: hidden 2048, head_dim 128, 4 layers (benchmark shapes).",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--force", is_flag=True, help="Write into DIRECTORY even if it is not empty.")

@@ -22,6 +22,7 @@ import os
 import platform
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -83,11 +84,13 @@ def paged_attention_kernels(enabled: bool = True) -> Any:
             from torch.utils.cpp_extension import load
 
             build_dir = build_directory()
-            if kernels_built(build_dir):
-                log.info("loading the CPU kernels (built on this machine before)")
-            else:
+            building = not kernels_built(build_dir)
+            if building:
                 log.info("building the CPU kernels: once per machine, ~1 min")
-            with build_lock(build_dir):
+            else:
+                log.info("loading the CPU kernels (built on this machine before)")
+            ticks = "still building the CPU kernels" if building else None
+            with build_lock(build_dir), progress_lines(ticks):
                 _module = _load(load, build_dir)
             _register_fake()
         except Exception as e:  # no compiler, no ninja, an odd platform: the gather path still works
@@ -106,6 +109,29 @@ def build_directory() -> Path:
     build_dir = cache_dir() / "kernels" / _cpu_tag()
     build_dir.mkdir(parents=True, exist_ok=True)
     return build_dir
+
+
+PROGRESS_EVERY_S = 15.0
+
+
+@contextlib.contextmanager
+def progress_lines(what: str | None) -> Iterator[None]:
+    """A log line every :data:`PROGRESS_EVERY_S` seconds while the block runs (``what``, and the
+    seconds so far; ``None``: no lines), so a minute's build never looks like a hang."""
+    done = threading.Event()
+    start = time.monotonic()
+
+    def tick() -> None:
+        while not done.wait(PROGRESS_EVERY_S):
+            log.info("%s (%.0f s)", what, time.monotonic() - start)
+
+    ticker = threading.Thread(target=tick, name="tokenfleet-progress", daemon=True) if what else None
+    if ticker is not None:
+        ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 @contextlib.contextmanager
