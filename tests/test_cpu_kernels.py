@@ -86,6 +86,11 @@ def test_prefill_operator_equals_sdpa_per_prompt(lengths, heads, kv_heads, head_
         # the bf16 vector code works on 16 tokens at a time: lengths on both sides of that
         ([15, 16, 31, 160], 12, 12, 64, torch.bfloat16, BLOCK),
         ([47, 3], 8, 2, 128, torch.bfloat16, BLOCK),
+        # query heads per KV head whose sums the value pass keeps in registers (3: SmolLM2's),
+        # and more than fit (8: the general path)
+        ([15, 33, 70], 9, 3, 64, torch.bfloat16, BLOCK),
+        ([40, 7], 16, 4, 64, torch.bfloat16, BLOCK),
+        ([30, 17], 8, 1, 64, torch.bfloat16, BLOCK),
         ([20, 5], 4, 4, 80, torch.bfloat16, BLOCK),  # a head size the vector code leaves to the plain loops
         # blocks smaller and larger than those 16 tokens, lying in the pool in shuffled order
         ([15, 16, 37, 70], 4, 2, 64, torch.bfloat16, 4),

@@ -15,7 +15,8 @@ forward; so does ``--compile``, whose graphs fuse the same work themselves.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -78,6 +79,21 @@ def fuse_projections(model: Any) -> None:
                 delattr(parent, name)
 
 
+class LayerCalls(NamedTuple):
+    """One layer's linears, attention module (for its layer index), scale and norm weights."""
+
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    attn: nn.Module
+    scale: float
+    o: Callable[[torch.Tensor], torch.Tensor]
+    post_weight: torch.Tensor
+    post_eps: float
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
+    next_weight: torch.Tensor  # the next layer's input norm (the final norm after the last layer)
+    next_eps: float
+
+
 class LeanDecoder:
     """The forward of a model whose projections :func:`fuse_projections` fused; called as the
     engine calls transformers' base model, returns the final hidden states ``[B, T, hidden]``."""
@@ -92,31 +108,57 @@ class LeanDecoder:
         # each add-and-norm takes the next norm's weight: layer i's MLP output feeds layer i + 1's input norm
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [base.norm]
         self.next_norms = [(n.weight, float(n.variance_epsilon)) for n in norms]
+        self._plan: list[LayerCalls] = []
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         ops = torch.ops.tokenfleet
+        norm, add_norm, rotary, silu_mul = (
+            ops.rms_norm.default,
+            ops.add_rms_norm.default,
+            ops.rotary_.default,
+            ops.silu_and_mul.default,
+        )
         batch, steps = input_ids.shape
-        tokens = batch * steps
-        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        tokens, head_dim = batch * steps, self.head_dim
+        widths = [self.heads * head_dim, self.kv_heads * head_dim, self.kv_heads * head_dim]
         residual = self.embed(input_ids).view(tokens, -1)
-        cos, sin = (t.reshape(tokens, self.head_dim) for t in self.rotary(residual, positions))
+        cos, sin = (t.reshape(tokens, head_dim) for t in self.rotary(residual, positions))
         first = self.layers[0].input_layernorm
-        normed = ops.rms_norm(residual, first.weight, float(first.variance_epsilon))
-        for layer, (next_weight, next_eps) in zip(self.layers, self.next_norms):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = ops.rotary_(attn.qkv_proj(normed), cos, sin, self.heads + self.kv_heads)
-            query = qkv[:, :q_width].view(batch, steps, self.heads, self.head_dim).transpose(1, 2)
-            key = qkv[:, q_width : q_width + kv_width].view(batch, steps, self.kv_heads, self.head_dim)
-            value = qkv[:, q_width + kv_width :].view(batch, steps, self.kv_heads, self.head_dim)
-            key, value = key.transpose(1, 2), value.transpose(1, 2)
-            out, _ = paged_attention(attn, query, key, value, None, attn.scaling, tokenfleet_step=meta)
-            post = layer.post_attention_layernorm
-            attended = attn.o_proj(out.reshape(tokens, q_width))
-            normed = ops.add_rms_norm(attended, residual, post.weight, float(post.variance_epsilon))
-            down = mlp.down_proj(ops.silu_and_mul(mlp.gate_up_proj(normed)))
-            normed = ops.add_rms_norm(down, residual, next_weight, next_eps)
+        normed = norm(residual, first.weight, float(first.variance_epsilon))
+        self._plan = self._plan or self._bind()
+        rotated = self.heads + self.kv_heads  # the query and key heads
+        for c in self._plan:
+            query, key, value = rotary(c.qkv(normed), cos, sin, rotated).split(widths, 1)
+            query = query.view(batch, steps, self.heads, head_dim).transpose(1, 2)
+            key = key.view(batch, steps, self.kv_heads, head_dim).transpose(1, 2)
+            value = value.view(batch, steps, self.kv_heads, head_dim).transpose(1, 2)
+            out, _ = paged_attention(c.attn, query, key, value, None, c.scale, tokenfleet_step=meta)
+            normed = add_norm(c.o(out.reshape(tokens, widths[0])), residual, c.post_weight, c.post_eps)
+            normed = add_norm(c.down(silu_mul(c.gate_up(normed))), residual, c.next_weight, c.next_eps)
         return normed.view(batch, steps, -1)
+
+    def _bind(self) -> list[LayerCalls]:
+        """What each layer's step calls, looked up once: on the first step, after the engine has
+        packed the linears (each module's ``forward`` called directly: no hooks are set)."""
+        plan = []
+        for layer, (next_weight, next_eps) in zip(self.layers, self.next_norms):
+            attn, mlp, post = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+            plan.append(
+                LayerCalls(
+                    attn.qkv_proj.forward,
+                    attn,
+                    float(attn.scaling),
+                    attn.o_proj.forward,
+                    post.weight,
+                    float(post.variance_epsilon),
+                    mlp.gate_up_proj.forward,
+                    mlp.down_proj.forward,
+                    next_weight,
+                    next_eps,
+                )
+            )
+        return plan
 
 
 def lean_decoder(model: Any) -> LeanDecoder | None:

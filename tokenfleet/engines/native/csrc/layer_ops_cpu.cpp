@@ -100,7 +100,8 @@ void norm_row(const T* x, T* residual, const T* weight, T* out, int64_t width, f
   if (add)
     for (int64_t i = 0; i < width; ++i) residual[i] = store_as<T>(row[i]);
   const float scale = 1.0f / std::sqrt(squares / static_cast<float>(width) + eps);
-  for (int64_t i = 0; i < width; ++i) out[i] = store_as<T>(round_as<T>(to_float(weight[i]) * round_as<T>(row[i] * scale)));
+  for (int64_t i = 0; i < width; ++i)
+    out[i] = store_as<T>(round_as<T>(to_float(weight[i]) * round_as<T>(row[i] * scale)));
 }
 
 template <typename T>
@@ -180,7 +181,8 @@ template <typename T>
 void rotate_rows(T* qkv, int64_t rows, int64_t row_stride, const T* cos, const T* sin, int64_t heads, int64_t dim) {
 #pragma omp parallel for schedule(static) if (rows * heads * dim >= PARALLEL_MIN_ELEMENTS)
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t h = 0; h < heads; ++h) rotate_head<T>(qkv + r * row_stride + h * dim, cos + r * dim, sin + r * dim, dim / 2);
+    for (int64_t h = 0; h < heads; ++h)
+      rotate_head<T>(qkv + r * row_stride + h * dim, cos + r * dim, sin + r * dim, dim / 2);
 }
 
 at::Tensor& rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
