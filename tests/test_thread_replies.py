@@ -3,6 +3,7 @@ a real Redis: each follower gets its own entries in order, a new follower is not
 read already blocked, and threads streaming many requests through one client read once per
 worker step, not once per request."""
 
+import os
 import threading
 import time
 
@@ -113,3 +114,25 @@ def test_a_read_refused_ends_every_follower_with_the_error(redis_url, prefix):
     inbox = reader.follow(keys.reply_stream("x"))
     assert inbox.get(timeout=5) is refused
     reader.close()
+
+
+def test_a_forked_child_streams_with_its_own_reader(redis_url, prefix, r):
+    """A client used before a fork (a pre-fork web server's workers): the parent's reader thread
+    does not exist in the child, which starts its own instead of waiting on it forever."""
+    stream = Keys(prefix).reply_stream("forked")
+    with Client(redis_url, prefix=prefix) as client:
+        parent = client.events("forked", timeout=30)
+        r.xadd(stream, protocol.encode_event(TokenEvent(0, [1], "x")))
+        assert next(parent).index == 0  # the parent's reader is running
+        pid = os.fork()
+        if pid == 0:  # the child: any failure is its exit status
+            try:
+                got = [getattr(e, "index", "done") for e in client.events("forked", timeout=10)]
+                os._exit(0 if got == [0, 1, "done"] else 1)
+            except BaseException:
+                os._exit(2)
+        r.xadd(stream, protocol.encode_event(TokenEvent(1, [2], "y")))
+        r.xadd(stream, protocol.encode_event(protocol.DoneEvent("length", 1, 2)))
+        _, status = os.waitpid(pid, 0)
+        assert [getattr(e, "index", "done") for e in parent] == [1, "done"]
+    assert os.waitstatus_to_exitcode(status) == 0

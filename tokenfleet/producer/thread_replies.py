@@ -14,6 +14,7 @@ also explains the private wake-up stream that ends a blocked read when a stream 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import uuid
@@ -49,6 +50,7 @@ class ThreadedReplyReader:
         self._wake_sent = False  # a wake-up is on its way to the read in flight
         self._running = False
         self._closed = False
+        self._pid = os.getpid()  # the process whose reader thread _running speaks of
 
     def follow(self, stream: str, after: str = "0") -> Inbox[Entries | BaseException]:
         """Start following ``stream`` past entry ``after``; returns the queue its entries (a list
@@ -56,6 +58,10 @@ class ThreadedReplyReader:
         inbox: Inbox[Entries | BaseException] = SimpleQueue()
         name = stream.encode()
         with self._lock:
+            if self._pid != os.getpid():  # a forked child (a pre-fork web server's worker): no reader here
+                self._pid, self._running = os.getpid(), False
+                self._positions.clear()
+                self._inboxes.clear()
             self._positions[name] = after
             self._inboxes[name] = inbox
             if not self._running:
