@@ -83,7 +83,7 @@ def test_prefill_operator_equals_sdpa_per_prompt(lengths, heads, kv_heads, head_
     [
         ([9, 1, 40], 4, 2, 64, torch.float32, BLOCK),
         ([9, 1, 40], 4, 2, 64, torch.bfloat16, BLOCK),
-        # the bf16 vector code works on 16 tokens at a time: lengths on both sides of that
+        # the vector code works on 16 tokens at a time: lengths on both sides of that
         ([15, 16, 31, 160], 12, 12, 64, torch.bfloat16, BLOCK),
         ([47, 3], 8, 2, 128, torch.bfloat16, BLOCK),
         # query heads per KV head whose sums the value pass keeps in registers (3: SmolLM2's),
@@ -92,6 +92,11 @@ def test_prefill_operator_equals_sdpa_per_prompt(lengths, heads, kv_heads, head_
         ([40, 7], 16, 4, 64, torch.bfloat16, BLOCK),
         ([30, 17], 8, 1, 64, torch.bfloat16, BLOCK),
         ([20, 5], 4, 4, 80, torch.bfloat16, BLOCK),  # a head size the vector code leaves to the plain loops
+        ([20, 5], 4, 4, 80, torch.float32, BLOCK),
+        # float32 caches take the vector code too: SmolLM2's heads, head size 128, shuffled small blocks
+        ([15, 16, 31, 160], 9, 3, 64, torch.float32, BLOCK),
+        ([47, 3], 8, 2, 128, torch.float32, BLOCK),
+        ([15, 16, 37, 70], 4, 2, 64, torch.float32, 4),
         # blocks smaller and larger than those 16 tokens, lying in the pool in shuffled order
         ([15, 16, 37, 70], 4, 2, 64, torch.bfloat16, 4),
         ([15, 16, 37, 70], 4, 2, 64, torch.bfloat16, 24),

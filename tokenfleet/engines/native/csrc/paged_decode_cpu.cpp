@@ -25,8 +25,8 @@
 
 #include <omp.h>
 
-// The bf16 paths: with AVX512-BF16, q . k on VDPBF16PS; with AVX-512 alone or AVX2 and FMA, keys
-// widened to float32 (a shift) and float32 FMAs. All read the pool in memory order.
+// The vector paths: bf16 q . k on VDPBF16PS with AVX512-BF16; otherwise (AVX-512 or AVX2 and FMA)
+// float32 FMAs on float32 keys or bf16 keys widened (a shift). All read the pool in memory order.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define TOKENFLEET_DECODE_AVX512 1
 #define TOKENFLEET_DECODE_VECTORS 1
@@ -63,25 +63,26 @@ inline void axpy(float p, const T* v, float* acc, int64_t d) {
   for (int64_t i = 0; i < n; ++i) acc[i] += p * to_float(v[i]);
 }
 
-// The bf16 vector paths (defined below when the compiler targets AVX-512 or AVX2; called only for
-// bf16 and head sizes that fill whole registers, kBf16Vectors). The plain loops sum q . k one
-// float at a time (the compiler may not reorder a float sum to vectorize it).
+// The vector paths (defined below when the compiler targets AVX-512 or AVX2; called for bf16 and
+// float32 caches whose head size fills whole registers, kVectors). The plain loops sum q . k one
+// float at a time (the compiler may not reorder a float sum to vectorize it): on a float32 cache
+// they ran the keys at a quarter of the vector paths' speed.
 #if defined(TOKENFLEET_DECODE_AVX512)
 template <typename T, int64_t D>
-constexpr bool kBf16Vectors = std::is_same_v<T, c10::BFloat16> && D > 0 && D % 32 == 0;
+constexpr bool kVectors = D > 0 && (std::is_same_v<T, c10::BFloat16> ? D % 32 == 0 : std::is_same_v<T, float> && D % 16 == 0);
 #elif defined(TOKENFLEET_DECODE_AVX2)
 template <typename T, int64_t D>
-constexpr bool kBf16Vectors = std::is_same_v<T, c10::BFloat16> && D > 0 && D % 8 == 0;
+constexpr bool kVectors = D > 0 && D % 8 == 0 && (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>);
 #else
 template <typename T, int64_t D>
-constexpr bool kBf16Vectors = false;
+constexpr bool kVectors = false;
 #endif
 template <typename T, int64_t D>
-void keys_bf16(float* scores, const T* q, int64_t q_head, int64_t q_dim, int64_t heads, int64_t group, int64_t len,
-               float scale, const T* kc, const int64_t* table, int64_t block_size, int64_t block_stride, int64_t row);
+void keys_vec(float* scores, const T* q, int64_t q_head, int64_t q_dim, int64_t heads, int64_t group, int64_t len,
+              float scale, const T* kc, const int64_t* table, int64_t block_size, int64_t block_stride, int64_t row);
 template <typename T, int64_t D>
-void values_bf16(float* acc, const float* p, int64_t heads, int64_t group, int64_t len, const T* vc,
-                 const int64_t* table, int64_t block_size, int64_t block_stride, int64_t row);
+void values_vec(float* acc, const float* p, int64_t heads, int64_t group, int64_t len, const T* vc,
+                const int64_t* table, int64_t block_size, int64_t block_stride, int64_t row);
 
 #if defined(TOKENFLEET_DECODE_AVX512)
 // One register of float32 sums, and what the paths below do with it, for each instruction set.
@@ -151,7 +152,14 @@ inline fvec reduce(const fvec* v) {
 #endif
 
 #if defined(TOKENFLEET_DECODE_VECTORS)
-constexpr int64_t CHUNK = LANES;  // tokens the bf16 paths take at a time (one register of float sums)
+// LANES numbers of the cache as float32: loaded as they are, or bf16 widened.
+template <typename T>
+inline fvec load_float(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return vload(p);
+  else return widen(p);
+}
+
+constexpr int64_t CHUNK = LANES;  // tokens the vector paths take at a time (one register of float sums)
 
 // rows[i] = token t0 + i's row of one layer's pool (all KV heads) for the chunk's n tokens, and
 // ahead[i] the row of token t0 + CHUNK + i (the next chunk's; the last row again past the end).
@@ -182,47 +190,14 @@ inline void prefetch_row(const T* p, int64_t row) {
     _mm_prefetch(bytes + byte, _MM_HINT_T1);
 }
 
-// scores[h * len + t] = scale * q_h . k_t,(h / group) for every head and token of one sequence.
-// VDPBF16PS multiplies bf16 pairs exactly and sums them in float32, so a head's q . k is D / 32
-// instructions on the cache's own bytes (no widening; without AVX512-BF16, D / LANES FMAs on keys
-// widened by a shift), and a chunk's sums per head are reduced together (reduce) instead of one
-// horizontal sum per token.
-template <typename T, int64_t D>
-void keys_bf16(float* scores, const T* q, int64_t q_head, int64_t q_dim, int64_t heads,
-               int64_t group, int64_t len, float scale, const T* kc, const int64_t* table, int64_t block_size,
-               int64_t block_stride, int64_t row) {
-#if defined(__AVX512BF16__)
-  constexpr int64_t C = D / 32;  // 32 bf16 per register
-  std::vector<__m512bh> qb(heads * C);
-  for (int64_t h = 0; h < heads; ++h) {
-    alignas(64) T tmp[D];
-    for (int64_t d = 0; d < D; ++d) tmp[d] = q[h * q_head + d * q_dim];
-    for (int64_t c = 0; c < C; ++c) qb[h * C + c] = (__m512bh)_mm512_load_si512(tmp + 32 * c);
-  }
-  auto dot_head = [&](const T* k, int64_t h) {  // a register of partial sums of q_h . k
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t c = 0; c < C; ++c)
-      acc = _mm512_dpbf16_ps(acc, qb[h * C + c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
-    return acc;
-  };
-#else
-  constexpr int64_t C = D / LANES;  // floats per register
-  std::vector<fvec> qv(heads * C);
-  for (int64_t h = 0; h < heads; ++h) {
-    alignas(64) float tmp[D];
-    for (int64_t d = 0; d < D; ++d) tmp[d] = to_float(q[h * q_head + d * q_dim]);
-    for (int64_t c = 0; c < C; ++c) qv[h * C + c] = vload(tmp + LANES * c);
-  }
-  // the same on float32 FMAs: bf16 products are exact in float32, only the order of the sums differs
-  auto dot_head = [&](const T* k, int64_t h) {
-    fvec acc = vzero();
-    for (int64_t c = 0; c < C; ++c) acc = vfma(qv[h * C + c], widen(k + LANES * c), acc);
-    return acc;
-  };
-#endif
-  // Read token by token, all heads of a token in turn: the order the pool lies in memory (head
-  // by head, 16 strided streams, ran slower). Each (token, head) leaves a register of partial
-  // sums, reduced per head after.
+// scores[h * len + t] = scale * q_h . k_t,(h / group) for every head and token of one sequence,
+// with dot_head(k, h) returning a register of partial sums of q_h . k (k: one head's key).
+// Read token by token, all heads of a token in turn: the order the pool lies in memory (head by
+// head, 16 strided streams, ran slower). Each (token, head) leaves a register of partial sums,
+// reduced per head after, instead of one horizontal sum per token.
+template <typename T, int64_t D, typename DotHead>
+void score_chunks(float* scores, int64_t heads, int64_t group, int64_t len, float scale, const T* kc,
+                  const int64_t* table, int64_t block_size, int64_t block_stride, int64_t row, DotHead dot_head) {
   std::vector<fvec> part(heads * CHUNK);
   const T* rows[CHUNK];
   const T* ahead[CHUNK];
@@ -240,11 +215,117 @@ void keys_bf16(float* scores, const T* q, int64_t q_head, int64_t q_dim, int64_t
   }
 }
 
+// The keys' scores (see score_chunks). On bf16 with AVX512-BF16, VDPBF16PS multiplies bf16 pairs
+// exactly and sums them in float32, so a head's q . k is D / 32 instructions on the cache's own
+// bytes; otherwise D / LANES FMAs on float32 keys, or bf16 keys widened by a shift.
+template <typename T, int64_t D>
+void keys_vec(float* scores, const T* q, int64_t q_head, int64_t q_dim, int64_t heads,
+              int64_t group, int64_t len, float scale, const T* kc, const int64_t* table, int64_t block_size,
+              int64_t block_stride, int64_t row) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    constexpr int64_t C = D / 32;  // 32 bf16 per register
+    std::vector<__m512bh> qb(heads * C);
+    for (int64_t h = 0; h < heads; ++h) {
+      alignas(64) T tmp[D];
+      for (int64_t d = 0; d < D; ++d) tmp[d] = q[h * q_head + d * q_dim];
+      for (int64_t c = 0; c < C; ++c) qb[h * C + c] = (__m512bh)_mm512_load_si512(tmp + 32 * c);
+    }
+    score_chunks<T, D>(scores, heads, group, len, scale, kc, table, block_size, block_stride, row,
+                       [&](const T* k, int64_t h) {
+                         __m512 acc = _mm512_setzero_ps();
+                         for (int64_t c = 0; c < C; ++c)
+                           acc = _mm512_dpbf16_ps(acc, qb[h * C + c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+                         return acc;
+                       });
+    return;
+  }
+#endif
+  constexpr int64_t C = D / LANES;  // floats per register
+  std::vector<fvec> qv(heads * C);
+  for (int64_t h = 0; h < heads; ++h) {
+    alignas(64) float tmp[D];
+    for (int64_t d = 0; d < D; ++d) tmp[d] = to_float(q[h * q_head + d * q_dim]);
+    for (int64_t c = 0; c < C; ++c) qv[h * C + c] = vload(tmp + LANES * c);
+  }
+  // bf16 products are exact in float32: only the order of the sums differs from VDPBF16PS
+  score_chunks<T, D>(scores, heads, group, len, scale, kc, table, block_size, block_stride, row,
+                     [&](const T* k, int64_t h) {
+                       fvec acc = vzero();
+                       for (int64_t c = 0; c < C; ++c) acc = vfma(qv[h * C + c], load_float(k + LANES * c), acc);
+                       return acc;
+                     });
+}
+
 // acc[h * D ..] = sum_t p[h * len + t] * v_t,(h / group), token by token as the keys are read;
 // the sums stay in L1 (widening bf16 is a shift).
+#if defined(__AVX512BF16__)
+// acc as values_vec's, for bf16 on VDPBF16PS, two tokens at a time: their rows interleaved word
+// by word (an unpack), each head's pair of probabilities rounded to bf16, so one instruction adds
+// p_t v_t + p_t+1 v_t+1 for 16 dims (SDPA rounds the probabilities to bf16 for its P @ V too).
+// A third of the instructions of widening the values and one FMA per token; the unpacks leave the
+// dims in a lane-wise order, put back once at the end.
+template <int64_t D>
+void values_bf16_pairs(float* acc, const float* p, int64_t heads, int64_t group, int64_t len,
+                       const c10::BFloat16* vc, const int64_t* table, int64_t block_size, int64_t block_stride,
+                       int64_t row) {
+  constexpr int64_t C = D / 32;  // 32 bf16 per register
+  const int64_t kv_heads = heads / group, stride = len + 1;  // one zero after each head's row: odd lengths
+  std::vector<uint16_t> pb(heads * stride, 0);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t t = 0; t < len; ++t) pb[h * stride + t] = c10::BFloat16(p[h * len + t]).x;
+  std::vector<__m512> sums(heads * 2 * C, _mm512_setzero_ps());  // per head: (low, high) per register
+  const c10::BFloat16* rows[CHUNK];
+  const c10::BFloat16* ahead[CHUNK];
+  for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
+    const int64_t n = std::min(CHUNK, len - t0);
+    chunk_rows(rows, ahead, vc, table, t0, n, len, block_size, block_stride, row);
+    for (int64_t i = 0; i < n; i += 2) {  // a lone last token pairs with itself at weight zero
+      prefetch_row(ahead[i], row);
+      if (i + 1 < CHUNK) prefetch_row(ahead[i + 1], row);
+      const c10::BFloat16* second = i + 1 < n ? rows[i + 1] : rows[i];
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        __m512i lo[C], hi[C];
+        for (int64_t c = 0; c < C; ++c) {
+          const __m512i a = _mm512_loadu_si512(rows[i] + g * D + 32 * c);
+          const __m512i b = _mm512_loadu_si512(second + g * D + 32 * c);
+          lo[c] = _mm512_unpacklo_epi16(a, b), hi[c] = _mm512_unpackhi_epi16(a, b);
+        }
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+          uint32_t pair;
+          std::memcpy(&pair, pb.data() + h * stride + t0 + i, sizeof pair);  // p_t low, p_t+1 high
+          const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+          __m512* sum = sums.data() + h * 2 * C;
+          for (int64_t c = 0; c < C; ++c) {
+            sum[2 * c] = _mm512_dpbf16_ps(sum[2 * c], (__m512bh)lo[c], weight);
+            sum[2 * c + 1] = _mm512_dpbf16_ps(sum[2 * c + 1], (__m512bh)hi[c], weight);
+          }
+        }
+      }
+    }
+  }
+  // 128-bit lane j of the low sums holds dims 8j .. 8j + 3 of its 32, of the high ones 8j + 4 .. 8j + 7
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t c = 0; c < C; ++c) {
+      alignas(64) float low[16], high[16];
+      _mm512_store_ps(low, sums[h * 2 * C + 2 * c]);
+      _mm512_store_ps(high, sums[h * 2 * C + 2 * c + 1]);
+      float* out = acc + h * D + 32 * c;
+      for (int64_t j = 0; j < 4; ++j)
+        for (int64_t k = 0; k < 4; ++k) out[8 * j + k] = low[4 * j + k], out[8 * j + 4 + k] = high[4 * j + k];
+    }
+}
+#endif
+
 template <typename T, int64_t D>
-void values_bf16(float* acc, const float* p, int64_t heads, int64_t group, int64_t len, const T* vc,
-                 const int64_t* table, int64_t block_size, int64_t block_stride, int64_t row) {
+void values_vec(float* acc, const float* p, int64_t heads, int64_t group, int64_t len, const T* vc,
+                const int64_t* table, int64_t block_size, int64_t block_stride, int64_t row) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    values_bf16_pairs<D>(acc, p, heads, group, len, vc, table, block_size, block_stride, row);
+    return;
+  }
+#endif
   constexpr int64_t C = D / LANES;  // floats per register
   std::fill(acc, acc + heads * D, 0.0f);
   const T* rows[CHUNK];
@@ -259,7 +340,7 @@ void values_bf16(float* acc, const float* p, int64_t heads, int64_t group, int64
         const T* v_row = rows[i] + (h / group) * D;
         float* sum = acc + h * D;
         for (int64_t c = 0; c < C; ++c)
-          vstore(sum + LANES * c, vfma(weight, widen(v_row + LANES * c), vload(sum + LANES * c)));
+          vstore(sum + LANES * c, vfma(weight, load_float(v_row + LANES * c), vload(sum + LANES * c)));
       }
     }
   }
@@ -293,14 +374,14 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t len = lens[b];
       scores.resize(heads * len);
-      if constexpr (!kBf16Vectors<T, D>)  // the bf16 path reads the query as it is
+      if constexpr (!kVectors<T, D>)  // the vector paths read the query as it is
         for (int64_t h = 0; h < heads; ++h)
           for (int64_t d = 0; d < head_dim; ++d)
             qf[h * head_dim + d] = to_float(q[b * q_batch + h * q_head + d * q_dim]) * fscale;
 
-      if constexpr (kBf16Vectors<T, D>) {
-        keys_bf16<T, D>(scores.data(), q + b * q_batch, q_head, q_dim, heads, group, len, fscale, kc,
-                        tables + b * max_blocks, block_size, block_stride, row);
+      if constexpr (kVectors<T, D>) {
+        keys_vec<T, D>(scores.data(), q + b * q_batch, q_head, q_dim, heads, group, len, fscale, kc,
+                       tables + b * max_blocks, block_size, block_stride, row);
       } else {
         for (int64_t t = 0; t < len; ++t) {  // scores[h][t] = q_h . k_t,(h / group)
           const T* k = kc + tables[b * max_blocks + t / block_size] * block_stride + (t % block_size) * row;
@@ -314,9 +395,9 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_
         const float inv = 1.0f / sum;
         for (int64_t t = 0; t < len; ++t) s[t] *= inv;
       }
-      if constexpr (kBf16Vectors<T, D>) {
-        values_bf16<T, D>(acc.data(), scores.data(), heads, group, len, vc, tables + b * max_blocks, block_size,
-                          block_stride, row);
+      if constexpr (kVectors<T, D>) {
+        values_vec<T, D>(acc.data(), scores.data(), heads, group, len, vc, tables + b * max_blocks, block_size,
+                         block_stride, row);
       } else {
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t t = 0; t < len; ++t) {  // acc[h] = sum_t p[h][t] * v_t,(h / group)
