@@ -647,12 +647,18 @@ def run_vllm(
 # -- roofline -------------------------------------------------------------------------------------
 
 
-def linear_shapes(model) -> list[tuple[int, int]]:
-    """(in, out) of every matmul weight one token goes through (embedding lookups excluded)."""
+def linear_shapes(model) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """(in, out) of every matmul weight of the layers one token goes through (embedding lookups
+    excluded), and of the output embedding apart: a prompt needs it for its last token only."""
     import torch
 
-    shapes = [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    return shapes
+    head = model.get_output_embeddings()
+    shapes = [
+        (m.in_features, m.out_features)
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and m is not head
+    ]
+    return shapes, (head.in_features, head.out_features)
 
 
 def attention_flops(model, context: int) -> int:
@@ -769,20 +775,23 @@ def roofline(model, dtype_name: str, reqs: list[Req], max_batch_size: int, devic
     import torch
 
     dtype = getattr(torch, dtype_name)
-    shapes = linear_shapes(model)
+    shapes, head = linear_shapes(model)
     per_token = sum(2 * i * o for i, o in shapes)
+    head_flops = 2 * head[0] * head[1]
     prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
     gen_tokens = sum(r.max_new_tokens for r in reqs)
     attn = sum(
         sum(attention_flops(model, c) for c in range(1, len(r.prompt_ids) + r.max_new_tokens)) for r in reqs
     )
     prefill_flops = per_token * prompt_tokens
-    decode_flops = per_token * (gen_tokens - len(reqs))  # the first token of each comes from prefill
+    # at decode rows: each token of a step, and each prompt's last token (the first token it makes)
+    decode_flops = (per_token + head_flops) * (gen_tokens - len(reqs)) + head_flops * len(reqs)
     batch = min(max_batch_size, len(reqs))
     prefill_m = min(prompt_tokens, max(len(r.prompt_ids) for r in reqs) * batch)
 
     def shape_speed(m: int) -> float:  # FLOP-weighted over the model's distinct weight shapes
-        flops = {s: 2 * m * s[0] * s[1] * shapes.count(s) for s in set(shapes)}
+        weights = shapes + [head] if m == batch else shapes
+        flops = {s: 2 * m * s[0] * s[1] * weights.count(s) for s in set(weights)}
         seconds = sum(f / measure_matmul(dtype, m, s[0], s[1], device=device) for s, f in flops.items())
         return sum(flops.values()) / seconds
 

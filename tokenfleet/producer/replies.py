@@ -25,12 +25,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet.producer.base import RETRY_S
+from tokenfleet.producer.followed import Entries, FollowedStreams
 from tokenfleet.producer.routing import READ_BLOCK_MS
 from tokenfleet.protocol import Keys
 
 WAKE_TTL_S = 3600  # a client that dies without closing leaves its wake-up stream this long
 CANCEL_RETRY_S = 0.02  # how long close() waits for the read task to take a cancel before it repeats it
-Entries = list[tuple[bytes, dict[bytes, bytes]]]
 
 
 class Inbox:
@@ -69,46 +69,38 @@ class ReplyReader:
         self.wake_key = keys.client_wake(uuid.uuid4().hex)
         self.give_up_s = give_up_s  # without a connection this long, followers get the error
         self.read_block_ms = read_block_ms  # longest wait of one read (a wake-up ends it sooner)
-        # reply stream (as Redis returns its name: bytes) -> last id handed over, and its follower
-        self._positions: dict[bytes, str | bytes] = {}
-        self._inboxes: dict[bytes, Inbox] = {}
-        self._wake_name = self.wake_key.encode()
-        self._wake_id: str | bytes = "0"
-        self._wake_sent = False  # a wake-up is on its way to the read in flight
+        self._followed: FollowedStreams[Inbox] = FollowedStreams(self.wake_key)
         self._task: asyncio.Task[None] | None = None
 
     async def follow(self, stream: str, after: str = "0") -> Inbox:
         """Start following ``stream`` past entry ``after``; entries arrive in the returned inbox
         (a list per read), or the connection error that ended the reading."""
         inbox = Inbox()
-        name = stream.encode()
-        self._positions[name] = after
-        self._inboxes[name] = inbox
+        followed = self._followed
+        followed.add(stream, after, inbox)
         if self._task is None or self._task.done():
-            self._wake_sent = False
+            followed.wake_sent = False
             self._task = asyncio.create_task(self._read_loop())
-        elif not self._wake_sent:  # a read may be blocked without this stream: end it now
+        elif not followed.wake_sent:  # a read may be blocked without this stream: end it now
             # One wake-up ends the read; the next read takes every stream followed by then, so
             # a burst of requests starting together sends one, not one each (nor opens a
             # connection each for it while the read holds its own)
-            self._wake_sent = True
+            followed.wake_sent = True
             try:
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.xadd(self.wake_key, {"w": 1}, maxlen=1)
                 pipe.expire(self.wake_key, WAKE_TTL_S)
                 await pipe.execute()
             except BaseException:
-                self._wake_sent = False
+                followed.wake_sent = False
                 raise
         return inbox
 
     def following(self, stream: str) -> bool:
-        return stream.encode() in self._inboxes
+        return stream in self._followed
 
     def unfollow(self, stream: str) -> None:
-        name = stream.encode()
-        self._positions.pop(name, None)
-        self._inboxes.pop(name, None)
+        self._followed.remove(stream)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -124,34 +116,18 @@ class ReplyReader:
 
     async def _read_loop(self) -> None:
         outage_since: float | None = None
-        while self._positions:
-            streams = {**self._positions, self._wake_name: self._wake_id}
+        followed = self._followed
+        while followed:
             try:
-                reply = await self.redis.xread(streams, block=self.read_block_ms)
+                reply = await self.redis.xread(followed.to_read(), block=self.read_block_ms)
             except (RedisConnectionError, RedisTimeoutError) as e:
-                self._wake_sent = False
+                followed.wake_sent = False
                 outage_since = outage_since or time.monotonic()
                 if time.monotonic() - outage_since > self.give_up_s:
-                    return self._fail_all(e)
+                    return followed.fail_all(e)
                 await asyncio.sleep(RETRY_S)
                 continue
             except Exception as e:  # refused (e.g. an ACL without the wake-up stream): no retry
-                return self._fail_all(e)
+                return followed.fail_all(e)
             outage_since = None
-            # the read is back: streams followed from now on are in the next one or wake it
-            self._wake_sent = False
-            for key, entries in reply or []:
-                name = key if isinstance(key, bytes) else key.encode()
-                if name == self._wake_name:
-                    self._wake_id = entries[-1][0]
-                    continue
-                inbox = self._inboxes.get(name)
-                if inbox is not None:  # not unfollowed while the read was out
-                    self._positions[name] = entries[-1][0]
-                    inbox.put_nowait(entries)
-
-    def _fail_all(self, error: Exception) -> None:
-        """End every follower with ``error`` (raised where it waits for entries)."""
-        for stream in list(self._inboxes):
-            self._inboxes.pop(stream).put_nowait(error)
-            self._positions.pop(stream, None)
+            followed.hand_over(reply)

@@ -25,7 +25,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet.producer.base import RETRY_S
-from tokenfleet.producer.replies import WAKE_TTL_S, Entries
+from tokenfleet.producer.followed import Entries, FollowedStreams
+from tokenfleet.producer.replies import WAKE_TTL_S
 from tokenfleet.producer.routing import READ_BLOCK_MS
 from tokenfleet.protocol import Keys
 
@@ -43,11 +44,7 @@ class ThreadedReplyReader:
         self.give_up_s = give_up_s  # without a connection this long, followers get the error
         self.read_block_ms = read_block_ms
         self._lock = threading.Lock()  # guards everything below
-        self._positions: dict[bytes, str | bytes] = {}  # stream -> last id handed over
-        self._inboxes: dict[bytes, Inbox[Entries | BaseException]] = {}
-        self._wake_name = self.wake_key.encode()
-        self._wake_id: str | bytes = "0"
-        self._wake_sent = False  # a wake-up is on its way to the read in flight
+        self._followed: FollowedStreams[Inbox[Entries | BaseException]] = FollowedStreams(self.wake_key)
         self._running = False
         self._closed = False
         self._pid = os.getpid()  # the process whose reader thread _running speaks of
@@ -56,19 +53,17 @@ class ThreadedReplyReader:
         """Start following ``stream`` past entry ``after``; returns the queue its entries (a list
         per read) arrive in, or the error that ended the reading."""
         inbox: Inbox[Entries | BaseException] = SimpleQueue()
-        name = stream.encode()
+        followed = self._followed
         with self._lock:
             if self._pid != os.getpid():  # a forked child (a pre-fork web server's worker): no reader here
                 self._pid, self._running = os.getpid(), False
-                self._positions.clear()
-                self._inboxes.clear()
-            self._positions[name] = after
-            self._inboxes[name] = inbox
+                followed.clear()
+            followed.add(stream, after, inbox)
             if not self._running:
-                self._running, self._wake_sent = True, False
+                self._running, followed.wake_sent = True, False
                 threading.Thread(target=self._read_loop, name="tokenfleet-replies", daemon=True).start()
                 return inbox
-            wake, self._wake_sent = not self._wake_sent, True
+            wake, followed.wake_sent = not followed.wake_sent, True
         if wake:  # a read may be blocked without this stream: end it now (one wake-up per read)
             try:
                 pipe = self.redis.pipeline(transaction=False)
@@ -77,38 +72,36 @@ class ThreadedReplyReader:
                 pipe.execute()
             except BaseException:
                 with self._lock:
-                    self._wake_sent = False
+                    followed.wake_sent = False
                 raise
         return inbox
 
     def following(self, stream: str) -> bool:
         with self._lock:
-            return stream.encode() in self._inboxes
+            return stream in self._followed
 
     def unfollow(self, stream: str) -> None:
-        name = stream.encode()
         with self._lock:
-            self._positions.pop(name, None)
-            self._inboxes.pop(name, None)
+            self._followed.remove(stream)
 
     def close(self) -> None:
         """Stop reading (the thread ends with its read in flight, within ``read_block_ms``) and
         drop the wake-up stream."""
         with self._lock:
             self._closed = True
-            self._positions.clear()
-            self._inboxes.clear()
+            self._followed.clear()
         with contextlib.suppress(RedisConnectionError, RedisTimeoutError):  # else it expires
             self.redis.delete(self.wake_key)
 
     def _read_loop(self) -> None:
         outage_since: float | None = None
+        followed = self._followed
         while True:
             with self._lock:
-                if self._closed or not self._positions:
+                if self._closed or not followed:
                     self._running = False
                     return
-                streams = {**self._positions, self._wake_name: self._wake_id}
+                streams = followed.to_read()
             try:
                 reply = self.redis.xread(streams, block=self.read_block_ms)
             except (RedisConnectionError, RedisTimeoutError) as e:
@@ -122,25 +115,9 @@ class ThreadedReplyReader:
                 self._fail_all(e)
                 continue
             outage_since = None
-            self._hand_over(reply)
-
-    def _hand_over(self, reply: Any) -> None:
-        with self._lock:
-            self._wake_sent = False  # the read is back: streams followed from now on are in the next
-            for key, entries in reply or []:
-                name = key if isinstance(key, bytes) else key.encode()
-                if name == self._wake_name:
-                    self._wake_id = entries[-1][0]
-                    continue
-                inbox = self._inboxes.get(name)
-                if inbox is not None and entries:  # not unfollowed while the read was out
-                    self._positions[name] = entries[-1][0]
-                    inbox.put(entries)
+            with self._lock:
+                followed.hand_over(reply)
 
     def _fail_all(self, error: Exception) -> None:
-        """End every follower with ``error`` (raised where it waits for entries)."""
         with self._lock:
-            for inbox in self._inboxes.values():
-                inbox.put(error)
-            self._inboxes.clear()
-            self._positions.clear()
+            self._followed.fail_all(error)

@@ -105,9 +105,7 @@ class LeanDecoder:
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        # each add-and-norm takes the next norm's weight: layer i's MLP output feeds layer i + 1's input norm
-        norms = [layer.input_layernorm for layer in self.layers[1:]] + [base.norm]
-        self.next_norms = [(n.weight, float(n.variance_epsilon)) for n in norms]
+        self.final_norm = base.norm
         self._plan: list[LayerCalls] = []
 
     @torch.inference_mode()
@@ -142,7 +140,9 @@ class LeanDecoder:
         """What each layer's step calls, looked up once: on the first step, after the engine has
         packed the linears (each module's ``forward`` called directly: no hooks are set)."""
         plan = []
-        for layer, (next_weight, next_eps) in zip(self.layers, self.next_norms):
+        # each add-and-norm takes the next norm's weight: layer i's MLP output feeds layer i + 1's input norm
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.final_norm]
+        for layer, next_norm in zip(self.layers, next_norms):
             attn, mlp, post = layer.self_attn, layer.mlp, layer.post_attention_layernorm
             plan.append(
                 LayerCalls(
@@ -154,8 +154,8 @@ class LeanDecoder:
                     float(post.variance_epsilon),
                     mlp.gate_up_proj.forward,
                     mlp.down_proj.forward,
-                    next_weight,
-                    next_eps,
+                    next_norm.weight,
+                    float(next_norm.variance_epsilon),
                 )
             )
         return plan
