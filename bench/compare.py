@@ -789,13 +789,12 @@ def roofline(model, dtype_name: str, reqs: list[Req], max_batch_size: int, devic
     batch = min(max_batch_size, len(reqs))
     prefill_m = min(prompt_tokens, max(len(r.prompt_ids) for r in reqs) * batch)
 
-    def shape_speed(m: int) -> float:  # FLOP-weighted over the model's distinct weight shapes
-        weights = shapes + [head] if m == batch else shapes
+    def shape_speed(m: int, weights: list[tuple[int, int]]) -> float:  # FLOP-weighted over distinct shapes
         flops = {s: 2 * m * s[0] * s[1] * weights.count(s) for s in set(weights)}
         seconds = sum(f / measure_matmul(dtype, m, s[0], s[1], device=device) for s, f in flops.items())
         return sum(flops.values()) / seconds
 
-    prefill_speed, decode_speed = shape_speed(prefill_m), shape_speed(batch)
+    prefill_speed, decode_speed = shape_speed(prefill_m, shapes), shape_speed(batch, shapes + [head])
     peak = max(measure_matmul(dtype, 2048, 2048, 2048, device=device), prefill_speed)
     total = prefill_flops + decode_flops + attn
     return {

@@ -67,8 +67,7 @@ class FollowedStreams(Generic[InboxT]):
         """End every follower with ``error`` (raised where it waits for entries)."""
         for inbox in self.inboxes.values():
             inbox.put_nowait(error)
-        self.inboxes.clear()
-        self.positions.clear()
+        self.clear()
 
     def clear(self) -> None:
         self.inboxes.clear()

@@ -257,8 +257,6 @@ void keys_vec(float* scores, const T* q, int64_t q_head, int64_t q_dim, int64_t 
                      });
 }
 
-// acc[h * D ..] = sum_t p[h * len + t] * v_t,(h / group), token by token as the keys are read;
-// the sums stay in L1 (widening bf16 is a shift).
 #if defined(__AVX512BF16__)
 // acc as values_vec's, for bf16 on VDPBF16PS, two tokens at a time: their rows interleaved word
 // by word (an unpack), each head's pair of probabilities rounded to bf16, so one instruction adds
@@ -282,7 +280,7 @@ void values_bf16_pairs(float* acc, const float* p, int64_t heads, int64_t group,
     chunk_rows(rows, ahead, vc, table, t0, n, len, block_size, block_stride, row);
     for (int64_t i = 0; i < n; i += 2) {  // a lone last token pairs with itself at weight zero
       prefetch_row(ahead[i], row);
-      if (i + 1 < CHUNK) prefetch_row(ahead[i + 1], row);
+      prefetch_row(ahead[i + 1], row);  // i is even, CHUNK too: i + 1 < CHUNK
       const c10::BFloat16* second = i + 1 < n ? rows[i + 1] : rows[i];
       for (int64_t g = 0; g < kv_heads; ++g) {
         __m512i lo[C], hi[C];
@@ -317,6 +315,8 @@ void values_bf16_pairs(float* acc, const float* p, int64_t heads, int64_t group,
 }
 #endif
 
+// acc[h * D ..] = sum_t p[h * len + t] * v_t,(h / group), token by token as the keys are read;
+// the sums stay in L1 (widening bf16 is a shift).
 template <typename T, int64_t D>
 void values_vec(float* acc, const float* p, int64_t heads, int64_t group, int64_t len, const T* vc,
                 const int64_t* table, int64_t block_size, int64_t block_stride, int64_t row) {
