@@ -20,7 +20,8 @@ import threading
 import time
 
 from bench.common import worker_process
-from bench.compare import CpuCounters, Req, Trace, drive_clients, summarize
+from bench.rows_tokenfleet import CpuCounters, drive_clients
+from bench.workload import Req, Trace, summarize
 
 CLIENT_MODES = ("threads", "asyncio", "asyncio-each")
 

@@ -27,15 +27,8 @@ import statistics
 import sys
 
 from bench.common import allocator_env, model_or_built, pin_bf16_linear_route, worker_process
-from bench.compare import (
-    CpuCounters,
-    InProcessEngine,
-    drive_clients,
-    make_workload,
-    max_seq_len_for,
-    summarize,
-    worker_flags,
-)
+from bench.rows_tokenfleet import CpuCounters, InProcessEngine, drive_clients, worker_flags
+from bench.workload import make_workload, max_seq_len_for, summarize
 from tokenfleet.models import SIZES
 
 WITHIN = 0.95  # "within 5%": end to end at least this share of in process

@@ -29,7 +29,7 @@ from bench.common import (
     pinned_bf16_linear,
     worker_process,
 )
-from bench.compare import make_workload
+from bench.workload import make_workload
 from tokenfleet.models import SIZES
 from tokenfleet.producer import Client
 from tokenfleet.transport.embedded import EmbeddedRedis

@@ -16,7 +16,8 @@ import statistics
 import time
 
 from bench.common import model_or_built
-from bench.compare import Req, make_workload, pool_blocks
+from bench.rows_tokenfleet import pool_blocks
+from bench.workload import Req, make_workload
 from tokenfleet.models import SIZES
 
 

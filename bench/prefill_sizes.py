@@ -18,8 +18,9 @@ import json
 import statistics
 
 from bench.common import model_or_built
-from bench.compare import make_workload, pool_blocks
 from bench.prefill_budget import serve_burst
+from bench.rows_tokenfleet import pool_blocks
+from bench.workload import make_workload
 from tokenfleet.models import SIZES
 
 

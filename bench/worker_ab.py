@@ -23,7 +23,8 @@ import statistics
 from contextlib import ExitStack
 
 from bench.common import allocator_env, model_or_built, worker_process
-from bench.compare import drive_clients, make_workload, pool_blocks
+from bench.rows_tokenfleet import drive_clients, pool_blocks
+from bench.workload import make_workload
 from tokenfleet.models import SIZES
 
 
