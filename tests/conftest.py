@@ -46,9 +46,28 @@ def prefix(redis_url: str) -> Iterator[str]:
     yield name
     client = redis.Redis.from_url(redis_url)
     keys = [k for pattern in Keys(name).patterns for k in client.scan_iter(match=pattern, count=1000)]
+    keys += rq_keys(client, name)
     if keys:
         client.delete(*keys)
+    client.srem("rq:queues", f"rq:queue:{name}")
     client.close()
+
+
+def rq_keys(client: redis.Redis, queue: str) -> list:
+    """RQ's keys for the bulk-job queue named ``queue`` (a fleet's prefix): its queue and
+    registries, and the jobs and results they list (job ids carry no prefix of their own)."""
+    keys = list(client.scan_iter(match=f"rq:*:{queue}", count=1000))
+    jobs: set[bytes] = set()
+    for key in keys:
+        kind = client.type(key)
+        if kind == b"zset":
+            jobs.update(client.zrange(key, 0, -1))
+        elif kind == b"list":
+            jobs.update(client.lrange(key, 0, -1))
+    for job in jobs:
+        keys += list(client.scan_iter(match=f"rq:job:{job.decode()}*", count=1000))
+        keys.append(f"rq:results:{job.decode()}")
+    return keys
 
 
 @pytest.fixture
