@@ -10,12 +10,13 @@ from tokenfleet.config.settings import setting
 ENGINE_BACKENDS = ("native", "vllm", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BF16_LINEAR_ROUTES = ("auto", "kernel", "native", "float32")
+F32_LINEAR_ROUTES = ("auto", "kernel", "onednn", "native")
 ALLOCATORS = ("auto", "tcmalloc", "system")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What runs the batches. The CPU knobs (``bf16_linear``, ``onednn_linear``,
+    """What runs the batches. The CPU knobs (``bf16_linear``, ``f32_linear``, ``onednn_linear``,
     ``paged_kernel``) choose among equivalent routes; their defaults measure or take the fastest."""
 
     model: str | None = setting(
@@ -62,6 +63,13 @@ class EngineConfig:
         "torch's bf16 GEMMs.",
         choices=BF16_LINEAR_ROUTES,
     )
+    f32_linear: str = setting(
+        "auto",
+        "CPU, float32: where linears compute. auto: time tokenfleet's kernel against oneDNN at "
+        "start-up and take the faster; kernel: tokenfleet's float32 GEMM (AVX-512); onednn: oneDNN's "
+        "GEMM on prepacked weights; native: F.linear.",
+        choices=F32_LINEAR_ROUTES,
+    )
     onednn_linear: bool = setting(
         True, "CPU: prepack linears for oneDNN (float32, and bf16 on the float32 route); off: F.linear."
     )
@@ -87,6 +95,10 @@ class EngineConfig:
         if self.bf16_linear not in BF16_LINEAR_ROUTES:
             raise ValueError(
                 f"bf16_linear must be one of {', '.join(BF16_LINEAR_ROUTES)}, got {self.bf16_linear!r}"
+            )
+        if self.f32_linear not in F32_LINEAR_ROUTES:
+            raise ValueError(
+                f"f32_linear must be one of {', '.join(F32_LINEAR_ROUTES)}, got {self.f32_linear!r}"
             )
         if self.allocator not in ALLOCATORS:
             raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, got {self.allocator!r}")

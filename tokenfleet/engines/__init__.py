@@ -64,6 +64,7 @@ def build_core(config: WorkerConfig) -> EngineCore:
         compile=engine.compile,
         max_batch_size=config.batching.max_batch_size,
         bf16_linear=engine.bf16_linear,
+        f32_linear=engine.f32_linear,
         onednn_linear=engine.onednn_linear,
         paged_kernel=engine.paged_kernel,
         cuda_graphs=engine.cuda_graphs,

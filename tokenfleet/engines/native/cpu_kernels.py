@@ -36,6 +36,7 @@ SOURCES = [
     CSRC / "paged_decode_cpu.cpp",
     CSRC / "paged_prefill_cpu.cpp",
     CSRC / "linear_bf16_cpu.cpp",
+    CSRC / "linear_f32_cpu.cpp",
     CSRC / "layer_ops_cpu.cpp",
 ]
 HEADERS = [CSRC / "common.h"]
@@ -180,6 +181,10 @@ def _register_fake() -> None:
         return query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])
 
     @torch.library.register_fake("tokenfleet::linear_bf16")
+    def _(x, packed, out_features, bias):
+        return x.new_empty(*x.shape[:-1], out_features)
+
+    @torch.library.register_fake("tokenfleet::linear_f32")
     def _(x, packed, out_features, bias):
         return x.new_empty(*x.shape[:-1], out_features)
 

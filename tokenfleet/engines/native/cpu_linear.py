@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from tokenfleet.engines.native.device import BF16_SLOWER_HINT, bf16_matmul_speed
+from tokenfleet.engines.native.f32_linear import F32KernelLinear, f32_kernel_wanted
 
 DECODE_ROWS_HINT = 32  # the batch oneDNN lays the weight out for; any row count still works
 BF16_ROUTES = ("auto", "kernel", "float32", "native")
@@ -176,13 +177,18 @@ def linear_route(
     model: nn.Module | None = None,
     bf16_route: str = "auto",
     onednn: bool = True,
+    f32_route: str = "auto",
 ) -> str:
     """The route a model's linears take on ``device`` in ``dtype``, named as ``--bf16-linear``
-    names them: ``kernel`` (:class:`KernelLinear`), ``float32`` (:class:`PackedLinear`, oneDNN
-    float32 GEMMs) or ``native`` (left as they are). ``bf16_route`` is what was asked for a bf16
-    model (``auto``: measured); ``onednn`` False keeps ``F.linear`` for float32."""
-    if bf16_kernel_wanted(device, dtype, bf16_route):
+    names them: ``kernel`` (tokenfleet's: :class:`KernelLinear` for bf16,
+    :class:`~tokenfleet.engines.native.f32_linear.F32KernelLinear` for float32), ``float32``
+    (:class:`PackedLinear`, oneDNN float32 GEMMs) or ``native`` (left as they are).
+    ``bf16_route`` / ``f32_route`` are what was asked for a bf16 / float32 model (``auto``:
+    measured); ``onednn`` False keeps ``F.linear`` where the kernel is not taken."""
+    if bf16_kernel_wanted(device, dtype, bf16_route) or f32_kernel_wanted(device, dtype, f32_route, onednn):
         return "kernel"
+    if dtype == torch.float32 and f32_route == "native":
+        return "native"
     return "float32" if onednn_linears_wanted(device, dtype, model, bf16_route, onednn) else "native"
 
 
@@ -259,10 +265,24 @@ def is_tied(model: nn.Module, linear: nn.Linear) -> bool:
     return users[id(linear.weight)] > 1
 
 
-def pack_linears(model: nn.Module, kind: type[PackedLinear | KernelLinear] = PackedLinear) -> int:
+def pack_linears(
+    model: nn.Module, kind: type[PackedLinear | KernelLinear | F32KernelLinear] = PackedLinear
+) -> int:
     """Swap each of :func:`swappable_linears` whose dtype ``kind`` takes for a ``kind``
-    (:class:`PackedLinear` or :class:`KernelLinear`); returns how many."""
+    (:class:`PackedLinear`, :class:`KernelLinear` or :class:`F32KernelLinear`); returns how many."""
     swaps = swappable_linears(model, kind.DTYPES)
     for parent, name, child in swaps:
         setattr(parent, name, kind(child))
     return len(swaps)
+
+
+def pack_for_route(model: nn.Module, route: str, dtype: torch.dtype) -> None:
+    """Swap ``model``'s linears for the kind :func:`linear_route`'s ``route`` names (``native``:
+    none), and log how many."""
+    if route == "kernel":
+        count = pack_linears(model, KernelLinear if dtype == torch.bfloat16 else F32KernelLinear)
+        log.info(
+            "engine: %d linears on tokenfleet's %s kernel, packed", count, str(dtype).removeprefix("torch.")
+        )
+    elif route == "float32":
+        log.info("engine: %d linears on oneDNN float32 GEMMs, prepacked", pack_linears(model))

@@ -21,7 +21,7 @@ from tokenfleet.core.vocab import eos_token_ids, max_token_chars
 from tokenfleet.engines.native import attention, triton_paged
 from tokenfleet.engines.native.compiled import compile_decode, compile_prefill
 from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
-from tokenfleet.engines.native.cpu_linear import KernelLinear, linear_route, pack_linears
+from tokenfleet.engines.native.cpu_linear import linear_route, pack_for_route
 from tokenfleet.engines.native.cuda_graphs import DecodeGraphs
 from tokenfleet.engines.native.decoder import lean_decoder
 from tokenfleet.engines.native.device import select_device, select_dtype
@@ -50,12 +50,13 @@ class ModelRunner:
         compile: bool = False,
         max_batch_size: int = 32,
         bf16_linear: str = "auto",
+        f32_linear: str = "auto",
         onednn_linear: bool = True,
         paged_kernel: bool = True,
         cuda_graphs: bool = True,
         max_seq_len: int = 2048,
     ):
-        """``bf16_linear``, ``onednn_linear`` and ``paged_kernel``: the CPU routes of
+        """``bf16_linear``, ``f32_linear``, ``onednn_linear`` and ``paged_kernel``: the CPU routes of
         :class:`~tokenfleet.config.EngineConfig`, each equivalent in results; ``cuda_graphs``:
         decode replayed from graphs (CUDA, with Triton), tables ``max_seq_len`` tokens wide."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -118,12 +119,8 @@ class ModelRunner:
         # eager CPU steps run the lean forward where the architecture allows (compiled ones fuse themselves)
         self.lean = lean_decoder(self.model) if self.use_kernel and not compile else None
         # after the KV budget, which counts the weights as loaded
-        route = linear_route(self.device, self.dtype, self.model, bf16_linear, onednn_linear)
-        if route == "kernel":
-            count = pack_linears(self.model, KernelLinear)
-            log.info("engine: %d linears on tokenfleet's bf16 kernel, packed", count)
-        elif route == "float32":
-            log.info("engine: %d linears on oneDNN float32 GEMMs, prepacked", pack_linears(self.model))
+        route = linear_route(self.device, self.dtype, self.model, bf16_linear, onednn_linear, f32_linear)
+        pack_for_route(self.model, route, self.dtype)
         self._compiled = (
             compile_decode(self.model.base_model, self.device, len(self.decode_buckets)) if compile else None
         )
