@@ -35,6 +35,7 @@ def needs_kernel(test):
         (3, 40, 25),  # a last panel of 25 columns: one vector and a masked one
         (9, 130, 100),  # a full tile of 8 rows and one more; a last panel of 4 columns
         (32, 576, 960),  # SmolLM2's q/k/v projection at a decode batch
+        (40, 96, 144),  # 3 panels on 2 threads: the rows split in two shares instead
         (13, 33, 16),  # an odd number of input features, one vector of columns
         (400, 64, 64),  # more rows than one task takes (192)
     ],
@@ -186,3 +187,26 @@ def test_a_float32_engine_on_the_kernel_decodes_as_one_on_onednn(tiny_model):
     assert tokens["kernel"] == tokens["onednn"]
     for a, b in zip(logits["kernel"], logits["onednn"]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_features", [144, 576, 688])
+def test_the_linear_kernels_give_the_same_bits_on_one_thread_as_on_several(out_features):
+    # a decode batch over an odd number of panels is split by rows instead: each output's sum is
+    # still one thread's, in the same order
+    from tokenfleet.engines.native.cpu_linear import KernelLinear
+
+    torch.manual_seed(out_features)
+    linear = nn.Linear(96, out_features)
+    x = torch.randn(40, 96)
+    kernels = [(F32KernelLinear(linear), x), (KernelLinear(linear.to(torch.bfloat16)), x.to(torch.bfloat16))]
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        for kernel, rows in kernels:
+            several = kernel(rows)
+            torch.set_num_threads(1)
+            try:
+                one = kernel(rows)
+            finally:
+                torch.set_num_threads(threads)
+            assert torch.equal(one, several)

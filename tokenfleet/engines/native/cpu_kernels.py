@@ -39,7 +39,7 @@ SOURCES = [
     CSRC / "linear_f32_cpu.cpp",
     CSRC / "layer_ops_cpu.cpp",
 ]
-HEADERS = [CSRC / "common.h"]
+HEADERS = [CSRC / "common.h", CSRC / "linear_tasks.h"]
 CFLAGS = [
     "-O3",
     "-march=native",

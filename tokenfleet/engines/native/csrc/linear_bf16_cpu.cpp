@@ -27,6 +27,8 @@
 #include <ATen/Parallel.h>
 #include <omp.h>
 
+#include "linear_tasks.h"
+
 // AVX-512 F, BW and VL: every Xeon since Skylake-SP, Zen 4 (not Knights Landing, which lacks BW).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define TOKENFLEET_LINEAR_AVX512 1
@@ -290,7 +292,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
 #endif
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
+  const int64_t row_chunk = tokenfleet::task_rows(m, panels, ROW_CHUNK, 2 * ROWS);
+  const int64_t chunks = (m + row_chunk - 1) / row_chunk;
   // Task = (panel, row chunk), panel-major: a thread's tasks share panels, which stay in L2.
   // Handed out in shrinking runs of consecutive tasks (OpenMP's guided schedule): a thread the OS
   // preempts (the client, Redis and the worker's I/O share these cores) holds up only the run it
@@ -299,8 +302,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
 #pragma omp parallel for schedule(guided) if (tasks > 1 && !omp_in_parallel())
   for (int64_t task = 0; task < tasks; ++task) {
     alignas(64) float sums[ROWS * PANEL];
-    const int64_t panel = task / chunks, r0 = (task % chunks) * ROW_CHUNK;
-    const int64_t r1 = std::min(m, r0 + ROW_CHUNK), c0 = panel * PANEL;
+    const int64_t panel = task / chunks, r0 = (task % chunks) * row_chunk;
+    const int64_t r1 = std::min(m, r0 + row_chunk), c0 = panel * PANEL;
     const int64_t cols = std::min(PANEL, out_features - c0);
     for (int64_t r = r0; r < r1; r += ROWS) {
       const int64_t rows = std::min(ROWS, r1 - r);

@@ -19,6 +19,8 @@
 #include <torch/library.h>
 #include <omp.h>
 
+#include "linear_tasks.h"
+
 #if defined(__AVX512F__)
 #define TOKENFLEET_LINEAR_F32_KERNEL 1
 #include <immintrin.h>
@@ -121,12 +123,13 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t out
   const float* xp = in.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK, tasks = panels * chunks;
+  const int64_t row_chunk = tokenfleet::task_rows(m, panels, ROW_CHUNK, 2 * ROWS);
+  const int64_t chunks = (m + row_chunk - 1) / row_chunk, tasks = panels * chunks;
   // Task = (panel, row chunk), panel-major, in shrinking runs (guided): as linear_bf16's tasks.
 #pragma omp parallel for schedule(guided) if (tasks > 1 && !omp_in_parallel())
   for (int64_t task = 0; task < tasks; ++task) {
-    const int64_t panel = task / chunks, r0 = (task % chunks) * ROW_CHUNK;
-    const int64_t r1 = std::min(m, r0 + ROW_CHUNK), c0 = panel * PANEL;
+    const int64_t panel = task / chunks, r0 = (task % chunks) * row_chunk;
+    const int64_t r1 = std::min(m, r0 + row_chunk), c0 = panel * PANEL;
     const int64_t cols = std::min(PANEL, out_features - c0);
     for (int64_t r = r0; r < r1; r += ROWS)
       run_tile(std::min(ROWS, r1 - r), xp + r * k, k, wp + panel * k * PANEL, cols, bp ? bp + c0 : nullptr,
