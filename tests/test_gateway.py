@@ -4,6 +4,7 @@ and Redis, driven by the real `openai` package, curl and plain HTTP."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -350,15 +351,18 @@ def test_models_health_and_metrics(run_worker, gateways):
 
 
 def test_a_client_that_goes_away_cancels_its_request(run_worker, gateways, redis_url, prefix):
-    with run_worker(BATCHING, served_model_name=MODEL):
+    # long enough that the tiny model is still decoding when the gateway notices (~0.8 s), however
+    # fast the engine gets: 200 tokens once finished first
+    long_batching = dataclasses.replace(BATCHING, max_seq_len=4096)
+    with run_worker(long_batching, served_model_name=MODEL):
         gateway = gateways()
-        body = {"model": MODEL, "prompt": "go away", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        body = {"model": MODEL, "prompt": "go away", "max_tokens": 4000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60) as resp:
             events = sse_events(resp.iter_lines())
             event_id, _ = next(events)
         request_id = event_id.split("/")[0] + ".0"  # choice 0's request
         result = Client(redis_url, prefix=prefix).result(request_id, timeout=60)
-        assert result.finish_reason == "cancelled" and len(result.token_ids) < 200
+        assert result.finish_reason == "cancelled" and len(result.token_ids) < 4000
         # not streamed: the wait for the result notices the client leave, too
         body.update(stream=False, prompt="go away too")
         with pytest.raises(httpx.ReadTimeout):
