@@ -4,9 +4,11 @@ weight; a tied output embedding left alone; bf16 routed by a measurement or by t
 
 import logging
 
+import linear_kernels
 import pytest
 import torch
 import torch.nn.functional as F
+from linear_kernels import AGREEMENT_PROMPTS
 from torch import nn
 
 from tokenfleet.config import EngineConfig
@@ -121,12 +123,9 @@ def test_bf16_and_float16_models_pack_only_what_oneDNN_float32_can_hold():
 # -- tokenfleet's own bf16 kernel (VDPBF16PS with AVX512-BF16, float32 FMAs with AVX-512 or AVX2) --
 
 
-def needs_kernel(test):
-    """Builds the kernels (a minute on a new machine); skipped where the CPU cannot run them."""
-    reason = "tokenfleet::linear_bf16 needs a CPU with AVX-512 or AVX2"
-    return pytest.mark.integration(
-        pytest.mark.skipif("not cpu_linear.bf16_kernel_available()", reason=reason)(test)
-    )
+needs_kernel = linear_kernels.needs_kernel(
+    "cpu_linear.bf16_kernel_available()", "tokenfleet::linear_bf16 needs a CPU with AVX-512 or AVX2"
+)
 
 
 @needs_kernel
@@ -243,22 +242,12 @@ def test_without_avx512_or_avx2_the_kernel_is_never_taken(monkeypatch, caplog):
 @needs_kernel
 def test_a_bf16_engine_on_the_kernel_agrees_with_one_on_onednn(tiny_model):
     from tokenfleet.engines.native.runner import ModelRunner
-    from tokenfleet.kvcache.allocator import BlockAllocator
 
-    prompts = [[5, 9, 13, 40, 2, 77], [100, 3], list(range(30, 60))]
     logits = {}
     for route in ("kernel", "native"):
         engine = ModelRunner(tiny_model, device="cpu", dtype="bfloat16", bf16_linear=route)
         kinds = {type(m).__name__ for m in engine.model.modules()}
         assert ("KernelLinear" in kinds) is (route == "kernel")
-        alloc = BlockAllocator(engine.num_blocks, engine.block_size)
-        ids = [(route, i) for i in range(len(prompts))]
-        tables = [alloc.allocate(seq, len(prompt)) for seq, prompt in zip(ids, prompts)]
-        first = engine.prefill(tables, prompts)
-        for seq in ids:
-            alloc.append_slot(seq)
-        lengths = [alloc.num_tokens(seq) for seq in ids]
-        decoded = engine.decode([alloc.block_table(s) for s in ids], lengths, first.argmax(-1).tolist())
-        logits[route] = (first, decoded)
+        _, logits[route] = linear_kernels.greedy_steps(engine, AGREEMENT_PROMPTS, 1)
     for got, want in zip(logits["kernel"], logits["native"]):
         assert torch.allclose(got, want, rtol=0.05, atol=0.05)  # bf16 sums in another order

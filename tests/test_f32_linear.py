@@ -5,9 +5,11 @@ engine on it greedy-decodes as one on oneDNN does."""
 
 import logging
 
+import linear_kernels
 import pytest
 import torch
 import torch.nn.functional as F
+from linear_kernels import AGREEMENT_PROMPTS
 from torch import nn
 
 from tokenfleet.config import EngineConfig
@@ -18,12 +20,9 @@ from tokenfleet.engines.native.f32_linear import F32KernelLinear, f32_kernel_wan
 CPU = torch.device("cpu")
 
 
-def needs_kernel(test):
-    """Builds the kernels (a minute on a new machine); skipped where the CPU lacks AVX-512."""
-    reason = "tokenfleet::linear_f32 needs a CPU with AVX-512"
-    return pytest.mark.integration(
-        pytest.mark.skipif("not f32_linear.f32_kernel_available()", reason=reason)(test)
-    )
+needs_kernel = linear_kernels.needs_kernel(
+    "f32_linear.f32_kernel_available()", "tokenfleet::linear_f32 needs a CPU with AVX-512"
+)
 
 
 @needs_kernel
@@ -162,28 +161,13 @@ def test_the_switch_refuses_typos():
 @needs_kernel
 def test_a_float32_engine_on_the_kernel_decodes_as_one_on_onednn(tiny_model):
     from tokenfleet.engines.native.runner import ModelRunner
-    from tokenfleet.kvcache.allocator import BlockAllocator
 
-    prompts = [[5, 9, 13, 40, 2, 77], [100, 3], list(range(30, 60))]
     tokens, logits = {}, {}
     for route in ("kernel", "onednn"):
         engine = ModelRunner(tiny_model, device="cpu", dtype="float32", f32_linear=route)
         kinds = {type(m).__name__ for m in engine.model.modules()}
         assert ("F32KernelLinear" in kinds) is (route == "kernel")
-        alloc = BlockAllocator(engine.num_blocks, engine.block_size)
-        ids = [(route, i) for i in range(len(prompts))]
-        tables = [alloc.allocate(seq, len(prompt)) for seq, prompt in zip(ids, prompts)]
-        step = engine.prefill(tables, prompts)
-        tokens[route], logits[route] = [], [step]
-        for _ in range(8):
-            chosen = step.argmax(-1).tolist()
-            tokens[route].append(chosen)
-            for seq in ids:
-                alloc.append_slot(seq)
-            step = engine.decode(
-                [alloc.block_table(seq) for seq in ids], [alloc.num_tokens(seq) for seq in ids], chosen
-            )
-            logits[route].append(step)
+        tokens[route], logits[route] = linear_kernels.greedy_steps(engine, AGREEMENT_PROMPTS, 8)
     assert tokens["kernel"] == tokens["onednn"]
     for a, b in zip(logits["kernel"], logits["onednn"]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections import Counter
 
 import torch
@@ -26,6 +25,7 @@ from torch import nn
 
 from tokenfleet.engines.native.device import BF16_SLOWER_HINT, bf16_matmul_speed
 from tokenfleet.engines.native.f32_linear import F32KernelLinear, f32_kernel_wanted
+from tokenfleet.engines.native.route_race import race_routes
 
 DECODE_ROWS_HINT = 32  # the batch oneDNN lays the weight out for; any row count still works
 BF16_ROUTES = ("auto", "kernel", "float32", "native")
@@ -96,7 +96,9 @@ def bf16_kernel_available() -> bool:
     return True
 
 
-def bf16_linear_speeds(size: int = 1024, weights: int = 12, rounds: int = 5) -> dict[str, tuple[float, ...]]:
+def bf16_linear_speeds(
+    size: int = 1024, weights: int = 12, rounds: int = 5
+) -> dict[str, tuple[float, float]]:
     """Seconds (best of ``rounds``) of a ``size`` x ``size`` bf16 linear on each route: ``kernel``,
     ``native`` (oneDNN bf16, prepacked) and ``float32`` (oneDNN float32, prepacked); at 32 rows
     through ``weights`` weights in turn (24 MB: from memory, as a decode step reads them), and at
@@ -114,19 +116,7 @@ def bf16_linear_speeds(size: int = 1024, weights: int = 12, rounds: int = 5) -> 
     decode_x = torch.randn(DECODE_ROWS_HINT, size).to(torch.bfloat16)
     prefill_x = torch.randn(512, size).to(torch.bfloat16)
 
-    def seconds(layers: list, x: torch.Tensor) -> float:
-        start = time.perf_counter()
-        for layer in layers:
-            layer(x)
-        return (time.perf_counter() - start) / len(layers)
-
-    for layers in routes.values():  # the library picks and prepares its kernel on the first call
-        seconds(layers, decode_x), seconds(layers[:1], prefill_x)
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in routes}
-    for _ in range(rounds):
-        for name, layers in routes.items():
-            times[name].append((seconds(layers, decode_x), seconds(layers[:1], prefill_x)))
-    return {name: (min(t[0] for t in ts), min(t[1] for t in ts)) for name, ts in times.items()}
+    return race_routes(routes, decode_x, prefill_x, rounds)
 
 
 def native_bf16_linear(weight: torch.Tensor):

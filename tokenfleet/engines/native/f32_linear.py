@@ -12,11 +12,12 @@ least as fast at decode rows and not much slower at prefill rows (docs/PERFORMAN
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from tokenfleet.engines.native.route_race import race_routes
 
 log = logging.getLogger(__name__)
 
@@ -74,20 +75,7 @@ def f32_linear_speeds(
     }
     decode_x, prefill_x = torch.randn(DECODE_ROWS, size), torch.randn(PREFILL_ROWS, size)
 
-    def seconds(layers: list, x: torch.Tensor) -> float:
-        start = time.perf_counter()
-        for layer in layers:
-            layer(x)
-        return (time.perf_counter() - start) / len(layers)
-
-    with torch.inference_mode():
-        for layers in routes.values():  # oneDNN picks and prepares its kernel on the first call
-            seconds(layers, decode_x), seconds(layers[:1], prefill_x)
-        times: dict[str, list[tuple[float, float]]] = {name: [] for name in routes}
-        for _ in range(rounds):
-            for name, layers in routes.items():
-                times[name].append((seconds(layers, decode_x), seconds(layers[:1], prefill_x)))
-    return {name: (min(t[0] for t in ts), min(t[1] for t in ts)) for name, ts in times.items()}
+    return race_routes(routes, decode_x, prefill_x, rounds)
 
 
 def f32_kernel_wanted(device: torch.device, dtype: torch.dtype, route: str, onednn: bool) -> bool:

@@ -272,15 +272,9 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   if (k % 2) in = at::constant_pad_nd(in, {0, 1});  // the pack padded the weight with a zero column
   in = in.contiguous();
   const int64_t m = in.size(0);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = out_features;
-  auto out = at::empty(out_shape, x.options());
+  auto out = tokenfleet::linear_output(x, out_features);
   if (m == 0) return out;
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == out_features, "bias must have out_features elements");
-    b = bias->to(at::kFloat).contiguous();
-  }
+  const auto b = tokenfleet::linear_bias_f32(bias, out_features);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
 #if defined(__AVX512BF16__)
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(in.data_ptr<c10::BFloat16>());

@@ -110,15 +110,9 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t out
   TORCH_CHECK(packed.size(1) == k && out_features <= panels * PANEL, "input features differ from the weight's");
   const auto in = x.reshape({-1, k}).contiguous();
   const int64_t m = in.size(0);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = out_features;
-  auto out = at::empty(out_shape, x.options());
+  auto out = tokenfleet::linear_output(x, out_features);
   if (m == 0) return out;
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == out_features, "bias must have out_features elements");
-    b = bias->to(at::kFloat).contiguous();
-  }
+  const auto b = tokenfleet::linear_bias_f32(bias, out_features);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const float* xp = in.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();

@@ -1,11 +1,29 @@
-// How the linear kernels (linear_bf16_cpu.cpp, linear_f32_cpu.cpp) split a call into tasks.
+// What the linear kernels (linear_bf16_cpu.cpp, linear_f32_cpu.cpp) share: the output and bias
+// set-up of a call, and how a call splits into tasks.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <omp.h>
 
 #include <cstdint>
+#include <optional>
+#include <vector>
 
 namespace tokenfleet {
+
+// The output of a linear on x: x's shape with out_features last, in x's dtype.
+inline at::Tensor linear_output(const at::Tensor& x, int64_t out_features) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  return at::empty(shape, x.options());
+}
+
+// The bias as contiguous float32 (the tiles add it to their float32 sums), or undefined for none.
+inline at::Tensor linear_bias_f32(const std::optional<at::Tensor>& bias, int64_t out_features) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->numel() == out_features, "bias must have out_features elements");
+  return bias->to(at::kFloat).contiguous();
+}
 
 // Rows a (panel, rows) task takes, for m input rows over `panels` column panels. Normally
 // row_chunk (its panel stays in L2 over the task's tiles). A decode-sized input (one chunk) whose

@@ -1,0 +1,40 @@
+"""What the tests of tokenfleet's linear kernels (test_cpu_linear.py, test_f32_linear.py) share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+AGREEMENT_PROMPTS = [[5, 9, 13, 40, 2, 77], [100, 3], list(range(30, 60))]
+
+
+def needs_kernel(available: str, reason: str) -> Callable[[Any], Any]:
+    """Marks a test that builds the kernels (a minute on a new machine) as integration, skipped
+    where ``available`` (a condition string, evaluated in the test module) is false."""
+
+    def mark(test: Any) -> Any:
+        return pytest.mark.integration(pytest.mark.skipif(f"not {available}", reason=reason)(test))
+
+    return mark
+
+
+def greedy_steps(engine: Any, prompts: list[list[int]], decode_steps: int) -> tuple[list, list[torch.Tensor]]:
+    """Prefill ``prompts`` on ``engine`` (a ModelRunner) and decode ``decode_steps`` greedy steps:
+    (the tokens each step chose, the logits of the prefill and of each decode step)."""
+    from tokenfleet.kvcache.allocator import BlockAllocator
+
+    alloc = BlockAllocator(engine.num_blocks, engine.block_size)
+    ids = list(range(len(prompts)))
+    step = engine.prefill([alloc.allocate(seq, len(p)) for seq, p in zip(ids, prompts)], prompts)
+    tokens, logits = [], [step]
+    for _ in range(decode_steps):
+        chosen = step.argmax(-1).tolist()
+        tokens.append(chosen)
+        for seq in ids:
+            alloc.append_slot(seq)
+        step = engine.decode([alloc.block_table(s) for s in ids], [alloc.num_tokens(s) for s in ids], chosen)
+        logits.append(step)
+    return tokens, logits
