@@ -110,6 +110,7 @@ def test_worker_process_serves_cli_submit_and_exits_0_on_sigterm(redis_url, pref
         logs, _ = worker.communicate(timeout=60)
     assert worker.returncode == 0, logs[-2000:]
     assert "batch size 1" in logs
+    assert "stopped after" in logs.splitlines()[-1], logs[-2000:]  # the last line: no exit noise
 
 
 def test_submit_without_redis_fails_with_one_line():
