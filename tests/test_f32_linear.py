@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 
 
 needs_kernel = linear_kernels.needs_kernel(
-    "f32_linear.f32_kernel_available()", "tokenfleet::linear_f32 needs a CPU with AVX-512"
+    "f32_linear.f32_kernel_available()", "tokenfleet::linear_f32 needs a CPU with AVX-512 or AVX2"
 )
 
 
@@ -30,7 +30,8 @@ needs_kernel = linear_kernels.needs_kernel(
 @pytest.mark.parametrize(
     "rows, in_features, out_features",
     [
-        (1, 96, 80),  # one row; a second panel of 32 of its 48 columns
+        (1, 96, 80),  # one row; a second panel of 32 of its 48 columns (AVX-512)
+        (7, 50, 20),  # AVX2: a tile of 6 rows and one of 1; a panel of 16 columns and one of 4
         (3, 40, 25),  # a last panel of 25 columns: one vector and a masked one
         (9, 130, 100),  # a full tile of 8 rows and one more; a last panel of 4 columns
         (32, 576, 960),  # SmolLM2's q/k/v projection at a decode batch
@@ -144,11 +145,11 @@ def test_auto_takes_the_float32_kernel_only_where_it_measures_faster(monkeypatch
     assert not f32_kernel_wanted(torch.device("cuda"), torch.float32, "kernel", onednn=True)
 
 
-def test_without_avx512_the_float32_kernel_is_never_taken(monkeypatch, caplog):
+def test_without_avx512_or_avx2_the_float32_kernel_is_never_taken(monkeypatch, caplog):
     monkeypatch.setattr(f32_linear, "f32_kernel_available", lambda: False)
     with caplog.at_level(logging.WARNING, logger=f32_linear.__name__):
         assert not f32_kernel_wanted(CPU, torch.float32, "kernel", onednn=True)
-    assert "lacks AVX-512" in caplog.text
+    assert "lacks AVX-512 and AVX2" in caplog.text
     assert not f32_kernel_wanted(CPU, torch.float32, "auto", onednn=True)
 
 

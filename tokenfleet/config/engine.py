@@ -66,7 +66,7 @@ class EngineConfig:
     f32_linear: str = setting(
         "auto",
         "CPU, float32: where linears compute. auto: time tokenfleet's kernel against oneDNN at "
-        "start-up and take the faster; kernel: tokenfleet's float32 GEMM (AVX-512); onednn: oneDNN's "
+        "start-up and take the faster; kernel: tokenfleet's float32 GEMM (AVX-512 or AVX2); onednn: oneDNN's "
         "GEMM on prepacked weights; native: F.linear.",
         choices=F32_LINEAR_ROUTES,
     )

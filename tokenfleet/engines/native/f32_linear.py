@@ -1,7 +1,8 @@
 """float32 linears on tokenfleet's kernel (``csrc/linear_f32_cpu.cpp``), and the start-up choice
 between it and the library's GEMMs, named as ``--f32-linear`` names the routes:
 
-- ``kernel``: :class:`F32KernelLinear`, on a weight packed once at load into 48-column panels.
+- ``kernel``: :class:`F32KernelLinear`, on a weight packed once at load into column panels
+  (48 wide with AVX-512, 16 with AVX2).
 - ``onednn``: oneDNN on a prepacked weight (``cpu_linear.PackedLinear``).
 - ``native``: the model's own ``F.linear``.
 
@@ -29,7 +30,7 @@ KERNEL_MAX_PREFILL_LOSS = 0.95  # ... and at least this fast at prefill rows
 
 class F32KernelLinear(nn.Module):
     """A float32 ``nn.Linear`` computed by ``tokenfleet::linear_f32`` on its weight packed into
-    48-column panels (the original weight is not kept, except where another module shares it)."""
+    column panels (the original weight is not kept, except where another module shares it)."""
 
     DTYPES = (torch.float32,)
 
@@ -45,7 +46,7 @@ class F32KernelLinear(nn.Module):
 
 
 def f32_kernel_available() -> bool:
-    """Whether ``tokenfleet::linear_f32`` is built for this CPU (it needs AVX-512)."""
+    """Whether ``tokenfleet::linear_f32`` is built for this CPU (it needs AVX-512, or AVX2 and FMA)."""
     from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
 
     if paged_attention_kernels() is None:
@@ -53,7 +54,7 @@ def f32_kernel_available() -> bool:
     try:
         packed = torch.ops.tokenfleet.pack_linear_f32(torch.ones(2, 2))
         torch.ops.tokenfleet.linear_f32(torch.ones(1, 2), packed, 2, None)
-    except RuntimeError:  # built without AVX-512
+    except RuntimeError:  # built without AVX-512 or AVX2
         return False
     return True
 
@@ -86,7 +87,7 @@ def f32_kernel_wanted(device: torch.device, dtype: torch.dtype, route: str, oned
         return False
     if not f32_kernel_available():
         if route == "kernel":
-            log.warning("--f32-linear kernel, but this CPU lacks AVX-512: the library's GEMMs instead")
+            log.warning("--f32-linear kernel, but this CPU lacks AVX-512 and AVX2: library GEMMs instead")
         return False
     if route == "kernel":
         return True
