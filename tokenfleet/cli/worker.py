@@ -79,10 +79,12 @@ def worker(profile: str | None, config_file: str | None, log_level: str, dry_run
     gc.enable()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: w.stop())
-    w.run()
-    # frozen objects outlive the interpreter's last collection, and nanobind (in triton, which
-    # torch imports) then printed ~100 lines of "leaked instance" warnings at every exit
-    gc.unfreeze()
+    try:
+        w.run()
+    finally:
+        # frozen objects outlive the interpreter's last collection, and nanobind (in triton, which
+        # torch imports) then printed ~100 lines of "leaked instance" warnings at every exit
+        gc.unfreeze()
 
 
 def _check_model_dir(model_dir: str) -> None:

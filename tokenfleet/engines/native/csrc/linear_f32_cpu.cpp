@@ -54,6 +54,7 @@ struct Ahead {
 #if defined(TOKENFLEET_LINEAR_F32_AVX512)
 constexpr int64_t PANEL = 48;  // output columns per panel: 3 vectors of 16 floats
 constexpr int64_t ROWS = 8;    // input rows per tile: 8 x 3 = 24 accumulators of 32 registers
+constexpr bool ASKS_AHEAD = false;  // run_tile ignores its Ahead (see Ahead)
 
 // out[i][c] = sum over k of x[i][k] * panel[k][c] (+ bias[c]), for MR rows and NV of the panel's
 // 3 vectors (a last panel of N % 48 columns takes fewer); cols of its columns are stored.
@@ -111,6 +112,7 @@ void run_tile(int64_t rows, const float* x, int64_t k_len, const float* panel, i
 #elif defined(TOKENFLEET_LINEAR_F32_AVX2)
 constexpr int64_t PANEL = 16;  // output columns per panel: 2 vectors of 8 floats, one cache line
 constexpr int64_t ROWS = 6;    // input rows per tile: 6 x 2 = 12 accumulators of 16 registers
+constexpr bool ASKS_AHEAD = true;
 
 // As the AVX-512 tile above, on 8-float vectors; NV of the panel's 2 vectors. Not inlined, as
 // linear_bf16's AVX2 tiles: inlined in its caller's loop GCC kept accumulators on the stack.
@@ -220,7 +222,7 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t out
     const int64_t r1 = std::min(m, r0 + row_chunk), c0 = panel * PANEL;
     const int64_t cols = std::min(PANEL, out_features - c0);
     const int64_t tiles = (r1 - r0 + ROWS - 1) / ROWS;
-    const bool ahead = chunks == 1 && panel + 1 < panels;  // decode: the next task takes the next panel
+    const bool ahead = ASKS_AHEAD && chunks == 1 && panel + 1 < panels;  // decode: the next task, the next panel
     for (int64_t r = r0, t = 0; r < r1; r += ROWS, ++t)
       run_tile(std::min(ROWS, r1 - r), xp + r * k, k, wp + panel * k * PANEL, cols, bp ? bp + c0 : nullptr,
                op + r * out_features + c0, out_features,
