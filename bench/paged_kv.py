@@ -17,9 +17,10 @@ import time
 
 from bench.common import model_or_built
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
+from tokenfleet.core.interface import StepOutput
 from tokenfleet.core.offline import run_offline
-from tokenfleet.core.scheduler import Scheduler
 from tokenfleet.core.sequence import SeqState
+from tokenfleet.engines.native.core import NativeCore
 from tokenfleet.engines.native.runner import ModelRunner
 from tokenfleet.protocol import Request
 
@@ -43,8 +44,15 @@ def run_mode(engine: ModelRunner, mode: str, jobs, args) -> dict:
         buckets=(args.max_prompt,),
         mode=mode,
     )
-    events: list = []  # one per forward pass
-    sched = Scheduler(engine, cfg, on_batch=events.append)
+    sched = NativeCore(engine, cfg)
+    steps, peak_blocks, peak_tokens = 0, 0, 0
+
+    def watch(output: StepOutput) -> None:  # the pool at its fullest, after each forward pass
+        nonlocal steps, peak_blocks, peak_tokens
+        steps += len(output.batches)
+        if sched.allocator.num_used_blocks > peak_blocks:
+            peak_blocks, peak_tokens = sched.allocator.num_used_blocks, sched.allocator.num_tokens_stored
+
     seqs, arrivals = [], []
     for i, (ids, new) in enumerate(jobs):
         req = Request(id=f"{mode}-{i}", input_ids=tuple(ids), max_new_tokens=new, ignore_eos=True)
@@ -58,15 +66,13 @@ def run_mode(engine: ModelRunner, mode: str, jobs, args) -> dict:
         )
         arrivals.append((0.0, seq))
         seqs.append(seq)
-    wall = run_offline(sched, arrivals)
-    steps = len(events)
+    wall = run_offline(sched, arrivals, on_step=watch)
     generated = sum(len(s.generated) for s in seqs)
-    peak_blocks, peak_tokens = sched.peak.blocks_used, sched.peak.tokens_stored
     sched.check_idle()
-    stats = sched.memory_stats()
-    contiguous_max = stats.contiguous_bytes(args.max_batch_size, args.max_seq_len)
+    capacity = sched.capacity()
+    contiguous_max = capacity.contiguous_bytes(args.max_batch_size, args.max_seq_len)
     longest = max(len(ids) + new for ids, new in jobs)
-    contiguous_workload = stats.contiguous_bytes(args.max_batch_size, longest)
+    contiguous_workload = capacity.contiguous_bytes(args.max_batch_size, longest)
     paged = peak_blocks * engine.bytes_per_block
     return {
         "mode": mode,
@@ -75,7 +81,7 @@ def run_mode(engine: ModelRunner, mode: str, jobs, args) -> dict:
         "steps": steps,
         "wall_s": round(wall, 3),
         "tokens_per_s": round(generated / wall, 1),
-        "preemptions": sched.preemptions,
+        "preemptions": sched.scheduler.preemptions,
         "kv_peak_blocks": peak_blocks,
         "kv_peak_tokens_stored": peak_tokens,
         "kv_peak_slots_allocated": peak_blocks * engine.block_size,

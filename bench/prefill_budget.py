@@ -24,8 +24,8 @@ from tokenfleet.models import SIZES
 def serve_burst(engine, reqs: list[Req], budget: int, max_batch_size: int) -> dict:
     from tokenfleet.config import DynamicBatchingConfig
     from tokenfleet.core.offline import run_offline
-    from tokenfleet.core.scheduler import Scheduler
     from tokenfleet.core.sequence import SeqState
+    from tokenfleet.engines.native.core import NativeCore
     from tokenfleet.protocol import Request
 
     longest = max(len(r.prompt_ids) for r in reqs)
@@ -37,7 +37,7 @@ def serve_burst(engine, reqs: list[Req], budget: int, max_batch_size: int) -> di
         buckets=(2 * longest,),
         max_prefill_tokens=budget,
     )
-    sched = Scheduler(engine, batching)
+    sched = NativeCore(engine, batching)
     seqs = []
     for i, r in enumerate(reqs):
         request = Request(

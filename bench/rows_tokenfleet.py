@@ -70,8 +70,8 @@ class InProcessEngine:
 
     def _serve(self, batch: list[tuple[Req, Trace]]) -> None:
         from tokenfleet.core.offline import run_offline
-        from tokenfleet.core.scheduler import Scheduler
         from tokenfleet.core.sequence import SeqState
+        from tokenfleet.engines.native.core import NativeCore
         from tokenfleet.protocol import Request
 
         engine = self.engine
@@ -94,7 +94,7 @@ class InProcessEngine:
         for req, trace in batch:
             trace.arrival = start + req.arrival_s
         arrivals = [(req.arrival_s, seq(i, req, start + req.arrival_s)) for i, (req, _) in enumerate(batch)]
-        run_offline(Scheduler(engine, self.batching), arrivals, on_token)
+        run_offline(NativeCore(engine, self.batching), arrivals, on_token)
 
 
 def run_engine(*args: Any, **kwargs: Any) -> dict:

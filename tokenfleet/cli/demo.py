@@ -14,6 +14,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,12 +120,11 @@ def _run(model_dir: str, url: str, prefix: str, requests: int, max_new_tokens: i
         max_seq_len=1024,
         buckets=(32, 64, 128),
         mode="dynamic",
-        padding="max",
+        mix_buckets=True,
     )
-    batch_sizes: list[int] = []
     echo(_start_up_note())
     config = WorkerConfig(EngineConfig(model=model_dir), batching, redis=RedisConfig(url, prefix))
-    worker = Worker(config, on_batch=lambda ev: batch_sizes.append(ev.size) if ev.kind == "prefill" else None)
+    worker = Worker(config)
     chat = bool(getattr(worker.core.facts.tokenizer, "chat_template", None))
     thread = threading.Thread(target=worker.run, name="tokenfleet-worker", daemon=True)
     thread.start()
@@ -173,11 +173,20 @@ def _run(model_dir: str, url: str, prefix: str, requests: int, max_new_tokens: i
         echo(f"  #{i:<3} TTFT {ttft:7.1f} ms  batch {batch:<3} {prompt!r}")
         echo(f"        -> {shown}")
     echo("")
+    batch_sizes = batches_of([batch for _, _, _, batch in rows])
     for size in batch_sizes:
         echo(f"batch size {size}")
     note = "" if chat else " (random-weight model: the text is noise)"
     echo(f"\n{len(rows)} requests in {len(batch_sizes)} batches{note}")
     return DemoReport([r[1] for r in rows], batch_sizes, len(rows))
+
+
+def batches_of(sizes: list[int]) -> list[int]:
+    """The batches requests ran in, from the batch size each one's ``done`` reported: in dynamic
+    mode a batch runs to completion, so ``k`` requests that report size ``n`` ran in ``k / n``
+    batches of ``n`` (largest first)."""
+    counts = Counter(size for size in sizes if size > 0)
+    return [size for size in sorted(counts, reverse=True) for _ in range(-(-counts[size] // size))]
 
 
 def _wait_until_serving(worker, thread: threading.Thread, echo: Callable[[str], None]) -> None:
@@ -194,11 +203,11 @@ def _wait_until_serving(worker, thread: threading.Thread, echo: Callable[[str], 
 
 def _start_up_note() -> str:
     """What the worker's start is about to spend its time on, said before the wait."""
-    from tokenfleet.engines.native.cpu_kernels import kernels_built
+    from tokenfleet.engines.native.cpu_kernels import build_estimate, kernels_built
 
     if kernels_built():
         return "starting a worker (loading the model) ..."
-    return "starting a worker: building the CPU kernels first (once per machine, ~1 min) ..."
+    return f"starting a worker: building the CPU kernels first (once per machine, {build_estimate()}) ..."
 
 
 def _delete_prefix(url: str, prefix: str) -> None:

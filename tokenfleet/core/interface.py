@@ -14,10 +14,8 @@ from collections.abc import Collection, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tokenfleet.batcher import Batcher
 from tokenfleet.core.admission import Admission
 from tokenfleet.core.sequence import SeqState
-from tokenfleet.kvcache.allocator import BlockAllocator
 from tokenfleet.protocol import Refusal
 
 
@@ -63,7 +61,7 @@ class BatchEvent:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepOutput:
     """What one step did: tokens per sequence (in order), the sequences it finished (their last
     token among ``tokens``), those it preempted, those that failed alone (each with a message;
@@ -102,6 +100,15 @@ class Capacity:
     def kv_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
+    @property
+    def kv_bytes_used(self) -> int:
+        return self.kv_blocks_used * self.kv_bytes_per_block
+
+    def contiguous_bytes(self, batch_size: int, max_seq_len: int) -> int:
+        """Bytes a cache preallocated for ``batch_size x max_seq_len`` tokens would take (what the
+        paged pool is compared with)."""
+        return batch_size * max_seq_len * self.kv_bytes_per_block // max(1, self.block_size)
+
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -117,13 +124,12 @@ class ModelFacts:
 
 class EngineCore(Protocol):
     """The seam between the queue and an engine. Implemented by
-    :class:`tokenfleet.core.scheduler.Scheduler` (the native engine) and
-    :class:`tokenfleet.engines.vllm.core.VllmCore`."""
+    :class:`tokenfleet.engines.native.core.NativeCore` and
+    :class:`tokenfleet.engines.vllm.core.VllmCore`, both on :class:`tokenfleet.core.front.CoreFront`."""
 
     backend: str  # "native" or "vllm", for logs, the heartbeat and ``tokenfleet status``
     facts: ModelFacts
     admission: Admission
-    batcher: Batcher  # who waits and who goes: lanes, buckets, and the wait a TTFT target sets
 
     def add(self, seq: SeqState, arrived: float) -> Refusal | None:
         """Queue a sequence (``arrived``: monotonic time it entered the queue, for max_wait_ms);
@@ -147,6 +153,11 @@ class EngineCore(Protocol):
 
     def ready_at(self) -> float | None:
         """When an idle core will next have a batch due (monotonic), None: not without arrivals."""
+        ...
+
+    def set_wait(self, lane: int, seconds: float) -> None:
+        """How long ``lane``'s batches wait to fill from now on (``max_wait_ms`` until set; a TTFT
+        target moves it at run time)."""
         ...
 
     def held(self) -> list[SeqState]:
@@ -174,53 +185,3 @@ class EngineCore(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-class Runner(Protocol):
-    """What the scheduler needs of a model runner (:class:`tokenfleet.engines.native.runner.ModelRunner`)."""
-
-    num_blocks: int
-    block_size: int
-    bytes_per_block: int
-    last_prefill_tokens: int
-    last_prefill_forwards: int
-
-    def facts(self) -> ModelFacts: ...
-
-    def prefill(self, tables: list[list[int]], token_lists: list[list[int]]) -> Any: ...
-
-    def decode(self, tables: list[list[int]], lengths: list[int], last_tokens: list[int]) -> Any: ...
-
-    def choose_tokens(self, logits: Any, seqs: list[SeqState]) -> list[int | None]: ...
-
-
-@dataclass(frozen=True)
-class MemoryStats:
-    """What the paged pool holds now, next to what a contiguous cache would have reserved."""
-
-    blocks_total: int
-    blocks_used: int
-    block_size: int
-    tokens_stored: int
-    bytes_per_block: int
-
-    @classmethod
-    def of(cls, alloc: BlockAllocator, bytes_per_block: int) -> MemoryStats:
-        used, stored = alloc.num_used_blocks, alloc.num_tokens_stored
-        return cls(alloc.num_blocks, used, alloc.block_size, stored, bytes_per_block)
-
-    @property
-    def blocks_free(self) -> int:
-        return self.blocks_total - self.blocks_used
-
-    @property
-    def slots_allocated(self) -> int:
-        return self.blocks_used * self.block_size
-
-    @property
-    def bytes_used(self) -> int:
-        return self.blocks_used * self.bytes_per_block
-
-    def contiguous_bytes(self, batch_size: int, max_seq_len: int) -> int:
-        """Bytes a cache preallocated for ``batch_size × max_seq_len`` tokens would take."""
-        return batch_size * max_seq_len * self.bytes_per_block // self.block_size

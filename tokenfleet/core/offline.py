@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from tokenfleet.core.interface import EngineCore, TokenOutput
+from tokenfleet.core.interface import EngineCore, StepOutput, TokenOutput
 from tokenfleet.core.sequence import SeqState
 
 
@@ -16,9 +16,11 @@ def run_offline(
     arrivals: Sequence[tuple[float, SeqState]],
     on_token: Callable[[TokenOutput], None] | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    on_step: Callable[[StepOutput], None] | None = None,
 ) -> float:
     """Add each sequence when its time comes (seconds after the start, in order) and step until
-    every one has finished; returns the wall time. A sequence the core refuses raises
+    every one has finished; returns the wall time. ``on_token`` sees every token, ``on_step``
+    every step's output (a bench's view of the batches). A sequence the core refuses raises
     ``ValueError``: a benchmark's workload must fit the core it measures."""
     start = clock()
     nxt, left = 0, len(arrivals)
@@ -36,7 +38,10 @@ def run_offline(
                 wake.append(now + max(0.0, ready - time.monotonic()))
             time.sleep(max(0.0, min(wake, default=now + 0.001) - clock()))
             continue
-        for out in core.step().tokens:
+        output = core.step()
+        if on_step is not None:
+            on_step(output)
+        for out in output.tokens:
             if on_token is not None:
                 on_token(out)
             left -= out.finished

@@ -51,7 +51,7 @@ def build_core(config: WorkerConfig) -> EngineCore:
         from tokenfleet.engines.vllm.core import VllmCore
 
         return VllmCore.from_config(config)
-    from tokenfleet.core.scheduler import Scheduler
+    from tokenfleet.engines.native.core import NativeCore
     from tokenfleet.engines.native.runner import ModelRunner
 
     if engine.model is None:
@@ -74,4 +74,4 @@ def build_core(config: WorkerConfig) -> EngineCore:
     warmed = runner.warm_up()
     if warmed:
         log.info("engine warmed up (compiled / captured) in %.1f s", warmed)
-    return Scheduler(runner, config.batching)
+    return NativeCore(runner, config.batching)

@@ -15,13 +15,12 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 import redis
 from redis.cluster import RedisCluster
 
 from tokenfleet.config import WorkerConfig
-from tokenfleet.core.interface import BatchEvent, EngineCore, StepOutput
+from tokenfleet.core.interface import EngineCore, StepOutput
 from tokenfleet.engines import build_core
 from tokenfleet.protocol import LANES, ErrorCode, Keys
 from tokenfleet.transport.cancels import CancelFeed
@@ -53,7 +52,6 @@ class Worker:
         config: WorkerConfig,
         core: EngineCore | None = None,
         client: redis.Redis | None = None,
-        on_batch: Callable[[BatchEvent], None] | None = None,
     ):
         self.config = config
         self.keys = keys = Keys(config.redis.prefix)
@@ -91,8 +89,9 @@ class Worker:
         )
         self.spent = TimeSpent()
         self.reclaimed = 0  # requests taken over from dead workers
+        self.turns_failed = 0  # turns a bug ended (logged; the loop went on)
+        self._draining = False
         self._warn = RateLimitedLog(log)  # repeated errors: one line per 10 s per kind
-        self._user_on_batch = on_batch
         self._recovered_own = False
         self._metrics_served = False
         self.setup_done = False
@@ -156,6 +155,7 @@ class Worker:
                     log.warning("redis refused a command (%s); re-creating groups in %.1fs", e, backoff)
                     self.setup_done = False
                 except Exception:  # a bug must not stop the fleet's worker: log it, back off, go on
+                    self.turns_failed += 1
                     self.metrics.failed(ErrorCode.INTERNAL)
                     self._warn.log(logging.ERROR, "turn", "a turn of the loop failed", exc_info=True)
                 time.sleep(backoff)
@@ -176,55 +176,57 @@ class Worker:
 
     def _turn(self) -> None:
         plan = self.policy.plan(self.core.has_work, self.stopping, bool(len(self.outbox)))
-        t0 = time.perf_counter()
-        if plan.shared:
-            self.round_trip.start(self._rooms(), background=plan is Plan.OVERLAP)
-        if plan is not Plan.OVERLAP:
-            self._apply(self._exchange(plan))
-        self.tuning.apply()
-        t1 = time.perf_counter()
-        output = self._step()
-        t2 = time.perf_counter()
-        self.publisher.publish(output)  # before a cancel read during the step: no token after its done
-        if plan is Plan.OVERLAP:
-            self._apply(self.round_trip.finish())
+        if plan is Plan.DRAIN and not self._draining:  # said once, when the loop first acts on a stop
+            self._draining = True
+            log.info("stopping: taking no new work, finishing the %d requests held", len(self.core.held()))
+        began = time.perf_counter()
+        exchange_s: float | None  # the Redis exchange before the step (None: hidden under it)
+        match plan:
+            case Plan.OVERLAP:  # the round trip runs on the I/O thread during the step
+                self.round_trip.start(self._read_budget(), background=True)
+                output, step_s = self._step_and_publish()  # published before a cancel read meanwhile
+                self._apply(self.round_trip.finish())  # acts on: no token after a cancel's done
+                exchange_s = None
+            case Plan.INLINE:
+                self.round_trip.start(self._read_budget(), background=False)
+                self._apply(self.round_trip.finish())
+                exchange_s = time.perf_counter() - began
+                self.policy.round_trip_done(exchange_s)
+                output, step_s = self._step_and_publish()
+            case Plan.SKIP:  # cancels and new work wait for the next read
+                exchange_s = 0.0
+                output, step_s = self._step_and_publish()
+            case Plan.SEPARATE | Plan.DRAIN:  # draining: replies and cancels, no new work
+                self._apply(self._read_on_its_own(take_work=plan is Plan.SEPARATE))
+                exchange_s = time.perf_counter() - began
+                output, step_s = self._step_and_publish()
+        # asked of the state after the step: a batch that just ended (or began) changes the answer
         if not self.policy.rides_on_steps(self.core.has_work, self.stopping):
             self._flush()  # otherwise the next turn's round trip takes them along
         self.upkeep.after_turn(output)
-        self.spent.step_s += t2 - t1
-        if plan is Plan.OVERLAP:
-            self.spent.intake_s += time.perf_counter() - t2
-        else:
-            self.spent.intake_s += t1 - t0
-            self.spent.redis_s += time.perf_counter() - t2
+        self.spent.add_turn(exchange_s, step_s, time.perf_counter() - began)
 
-    def _rooms(self) -> tuple[int, ...]:
+    def _read_on_its_own(self, take_work: bool) -> Received:
+        """A turn's exchange with no batch riding: replies flushed, then work (blocking while
+        idle) and cancels read."""
+        self._flush()  # never wait for work with replies unsent
+        entries = self.reader.read(self._read_budget(), self._wait_for_work()) if take_work else []
+        # cancels only matter for what is held; new entries are checked by their flag when taken
+        cancelled = self.cancels.read() if self.core.held() else set()
+        return Received(entries, cancelled)
+
+    def _read_budget(self) -> tuple[int, ...]:
         """How many new entries each lane may read: no more than can start soon (no hoarding).
         The top lane counts only its own waiting, so a full queue of the batch lane never keeps
         an interactive request unread; the others count everything waiting."""
         size, waiting = self.config.batching.max_batch_size, self.core.num_waiting
         return (size - self.core.waiting_in(0), *(size - waiting for _ in LANES[1:]))
 
-    def _exchange(self, plan: Plan) -> Received:
-        """This turn's Redis round trip(s) before the step, by plan."""
-        if plan is Plan.INLINE:
-            began = time.perf_counter()
-            received = self.round_trip.finish()
-            self.policy.round_trip_done(time.perf_counter() - began)
-            return received
-        if plan is Plan.SKIP:
-            return Received()  # cancels and new work wait for the next read
-        self._flush()  # never wait for work with replies unsent
-        entries = [] if plan is Plan.DRAIN else self.reader.read(self._rooms(), self._wait_for_work())
-        # cancels only matter for what is held; new entries are checked by their flag when taken
-        cancelled = self.cancels.read() if self.core.held() else set()
-        return Received(entries, cancelled)
-
     def _wait_for_work(self) -> int | None:
         """How long the read may block: not at all while a batch runs; while a batch forms,
         sleep here in short slices instead (Redis times blocked reads out on its own clock tick,
         tens of ms late); a bounded idle wait otherwise."""
-        if self.core.has_work or max(self._rooms()) <= 0:
+        if self.core.has_work or max(self._read_budget()) <= 0:
             return None
         ready = self.core.ready_at()
         if self.core.num_waiting:
@@ -259,7 +261,10 @@ class Worker:
         for incoming in claimed:
             self.admitter.take(incoming)
 
-    def _step(self) -> StepOutput:
+    def _step_and_publish(self) -> tuple[StepOutput, float]:
+        """One step of the core, its wait tuned first, its tokens published after; what it made
+        and the seconds the step took."""
+        self.tuning.apply()
         began = time.perf_counter()
         try:
             output = self.core.step(flush=self.stopping)
@@ -274,22 +279,19 @@ class Worker:
             )
             for seq in self.core.abort({s.key for s in started}):
                 self.publisher.fail(seq, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
-            return StepOutput()
-        self.tuning.observe(output, time.perf_counter() - began)
+            return StepOutput(), time.perf_counter() - began
+        seconds = time.perf_counter() - began
+        self.tuning.observe(output, seconds)
         for event in output.batches:
-            self._on_batch(event)
+            self.metrics.observe_batch(event)
+            if event.kind == "prefill":
+                log.info("batch size %d (%s)", event.size, event.describe())
         self.metrics.preempted(len(output.preempted))
         if output.tokens and not any(event.kind == "prefill" for event in output.batches):
-            self.policy.step_done(time.perf_counter() - began)
-        return output
+            self.policy.step_done(seconds)
+        self.publisher.publish(output)
+        return output, seconds
 
     def _flush(self) -> None:
         for error in self.outbox.flush():
             log.error("redis refused a reply write: %s", error)
-
-    def _on_batch(self, event: BatchEvent) -> None:
-        self.metrics.observe_batch(event)
-        if event.kind == "prefill":
-            log.info("batch size %d (%s)", event.size, event.describe())
-        if self._user_on_batch is not None:
-            self._user_on_batch(event)

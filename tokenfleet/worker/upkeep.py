@@ -122,14 +122,13 @@ class Upkeep:
         max_batch_size x max_seq_len would have reserved."""
         peak, b = self._kv_peak, self.config.batching
         mib = 2**20
-        contiguous = b.max_batch_size * b.max_seq_len * peak.kv_bytes_per_block // max(1, peak.block_size)
         log.info(
             "KV pool peak: %d/%d blocks used (%d free); %.1f MiB vs %.1f MiB for a contiguous %dx%d cache",
             peak.kv_blocks_used,
             peak.kv_blocks_total,
             peak.kv_blocks_free,
-            peak.kv_blocks_used * peak.kv_bytes_per_block / mib,
-            contiguous / mib,
+            peak.kv_bytes_used / mib,
+            peak.contiguous_bytes(b.max_batch_size, b.max_seq_len) / mib,
             b.max_batch_size,
             b.max_seq_len,
         )

@@ -1,6 +1,6 @@
 """The worker's side of ``--ttft-target-ms``: feed each lane's :class:`WaitController` what the
 loop measures (arrivals, first tokens, prefill and decode times), hand the wait it chooses to the
-core's batcher, export it, and log it when it moves."""
+core, export it, and log it when it moves."""
 
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ class WaitTuning:
             if target is not None
         }
         self._logged: dict[int, tuple[float, float]] = {}  # lane -> (when, wait) last logged
-        for lane, name in enumerate(LANES):
-            wait = self.controllers[lane].wait_s if lane in self.controllers else batching.max_wait_s
-            core.batcher.set_wait(lane, wait)
-            metrics.wait_in_force(name, wait * 1000)
+        self._in_force: dict[int, float] = {}  # lane -> the wait the core was last given
+        for lane in range(len(LANES)):
+            controller = self.controllers.get(lane)
+            self._hand_over(lane, controller.wait_s if controller else batching.max_wait_s)
 
     def arrived(self, lane: int) -> None:
         if lane in self.controllers:
@@ -58,14 +58,18 @@ class WaitTuning:
                 lane.first_token(max(0.0, seq.first_token_at - seq.enqueued_wall))
 
     def apply(self) -> None:
-        """Hand each controller's current wait to the core (the batcher reads it when it forms)
+        """Hand each controller's current wait to the core (its batcher reads it when it forms)
         and export it, when it moved: this runs every turn, the wait changes twice a second."""
         for lane, controller in self.controllers.items():
             wait = controller.current()
-            if wait != self.core.batcher.wait_of(lane):
-                self.core.batcher.set_wait(lane, wait)
-                self.metrics.wait_in_force(LANES[lane], wait * 1000)
+            if wait != self._in_force[lane]:
+                self._hand_over(lane, wait)
             self._maybe_log(lane, controller)
+
+    def _hand_over(self, lane: int, wait: float) -> None:
+        self.core.set_wait(lane, wait)
+        self._in_force[lane] = wait
+        self.metrics.wait_in_force(LANES[lane], wait * 1000)
 
     def _maybe_log(self, lane: int, controller: WaitController) -> None:
         now, wait = time.monotonic(), controller.wait_s

@@ -20,6 +20,7 @@ from tokenfleet.core.sequence import SeqState
 from tokenfleet.core.vocab import eos_token_ids, max_token_chars
 from tokenfleet.engines.native import attention, triton_paged
 from tokenfleet.engines.native.compiled import compile_decode, compile_prefill
+from tokenfleet.engines.native.core import PrefillResult
 from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
 from tokenfleet.engines.native.cpu_linear import linear_route, pack_for_route
 from tokenfleet.engines.native.cuda_graphs import DecodeGraphs
@@ -126,7 +127,6 @@ class ModelRunner:
         )
         self._compiled_prefill = compile_prefill(self.model.base_model) if compile else None
         self.pad_decode_batches = compile  # to decode_buckets; eager steps can pad too (tests do)
-        self.last_prefill_tokens = self.last_prefill_forwards = 0
         self.eos_token_ids = eos_token_ids(
             getattr(self.model, "generation_config", None), self.model.config, self.tokenizer
         )
@@ -172,13 +172,13 @@ class ModelRunner:
         return self.model.get_output_embeddings()(hidden).float()
 
     @torch.inference_mode()
-    def prefill(self, tables: Sequence[list[int]], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Run whole sequences (``tables``: each one's blocks, enough for every token), packed without padding
-        into forwards of at most ``prefill_chunk_tokens``; write their K/V into the pool; return
-        next-token logits ``[B, vocab]`` (float32) in the order given."""
+    def prefill(self, tables: Sequence[list[int]], token_lists: Sequence[Sequence[int]]) -> PrefillResult:
+        """Run whole sequences (``tables``: each one's blocks, enough for every token), packed without
+        padding into forwards of at most ``prefill_chunk_tokens``; write their K/V into the pool;
+        return next-token logits ``[B, vocab]`` (float32) in the order given, with the tokens the
+        forwards computed (padding included)."""
         chunks: list[list[int]] = []
         budget = self.prefill_chunk_tokens
-        self.last_prefill_tokens = 0  # tokens the forwards computed (no padding); for logs and metrics
         in_chunk = 0  # tokens in the last chunk
         for row, tokens in enumerate(token_lists):
             if chunks and in_chunk + len(tokens) <= budget:
@@ -187,23 +187,23 @@ class ModelRunner:
             else:
                 chunks.append([row])  # a prompt longer than the budget gets a forward of its own
                 in_chunk = len(tokens)
-        logits = [
+        parts = [
             self._prefill_packed([tables[i] for i in rows], [token_lists[i] for i in rows]) for rows in chunks
         ]
-        self.last_prefill_forwards = len(chunks)
-        return torch.cat(logits)
+        logits = torch.cat([p[0] for p in parts])
+        return PrefillResult(logits, computed_tokens=sum(p[1] for p in parts), forwards=len(chunks))
 
     def _prefill_packed(
         self, tables: Sequence[list[int]], token_lists: Sequence[Sequence[int]]
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, int]:
         """One forward over the prompts laid end to end (``[1, N]``); attention unpacks them to
-        one row per prompt, each attending causally to its own tokens."""
+        one row per prompt, each attending causally to its own tokens. Returns the logits and the
+        tokens computed."""
         real = sum(len(t) for t in token_lists)
         # padding, if any, is one more prompt of pad tokens whose K/V go to the scratch block
         pad = prefill_padded_size(real) - real if self.pad_prefill else 0
         lengths = torch.tensor([len(t) for t in token_lists] + ([pad] if pad else []))
         rows, width = len(lengths), int(lengths.max())
-        self.last_prefill_tokens += real + pad
         table = self._block_tables(tables, min_width=-(-pad // self.block_size))
         if pad:
             table = torch.cat([table, torch.full((1, table.shape[1]), self.scratch_block)])
@@ -213,7 +213,7 @@ class ModelRunner:
         )
         compiled = self._compiled_prefill is not None and rows >= 2 and width >= 2  # 0/1: specialised
         hidden = self._forward(ids, positions, meta, compiled)
-        return self._logits(hidden[0, last[: len(token_lists)]])
+        return self._logits(hidden[0, last[: len(token_lists)]]), real + pad
 
     def _block_tables(self, tables: Sequence[list[int]], min_width: int = 1) -> torch.Tensor:
         width = max(min_width, max(len(t) for t in tables))

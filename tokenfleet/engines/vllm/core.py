@@ -17,19 +17,19 @@ import time
 from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
-from tokenfleet.batcher import Batch, Batcher
+from tokenfleet.batcher import Batch
 from tokenfleet.config import DynamicBatchingConfig, WorkerConfig
-from tokenfleet.core.admission import Admission, Limits
+from tokenfleet.core.admission import Limits
+from tokenfleet.core.front import CoreFront
 from tokenfleet.core.interface import BatchEvent, Capacity, ModelFacts, StepOutput, TokenOutput
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.core.vocab import eos_token_ids, max_token_chars
 from tokenfleet.engines.vllm.args import engine_args
-from tokenfleet.protocol import Refusal
 
 log = logging.getLogger(__name__)
 
 
-class VllmCore:
+class VllmCore(CoreFront):
     """The ``vllm`` :class:`~tokenfleet.core.interface.EngineCore`."""
 
     backend = "vllm"
@@ -42,23 +42,19 @@ class VllmCore:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.engine = engine
-        self.config = batching
-        self.facts = facts
         cache = engine.vllm_config.cache_config
         self.block_size = int(cache.block_size)
         self.num_blocks = max(0, int(cache.num_gpu_blocks or 0) - 1)  # less vLLM's null block
         self.max_model_len = int(engine.model_config.max_model_len)
-        self.admission = Admission(
-            Limits(
-                buckets=batching.buckets,
-                max_seq_len=min(batching.max_seq_len, self.max_model_len),
-                max_new_tokens_cap=batching.max_new_tokens_cap,
-                vocab_size=facts.vocab_size,
-                max_token_chars=facts.max_token_chars,
-                kv_tokens_per_seq=min(self.num_blocks * self.block_size, self.max_model_len),
-            )
+        limits = Limits(
+            buckets=batching.buckets,
+            max_seq_len=min(batching.max_seq_len, self.max_model_len),
+            max_new_tokens_cap=batching.max_new_tokens_cap,
+            vocab_size=facts.vocab_size,
+            max_token_chars=facts.max_token_chars,
+            kv_tokens_per_seq=min(self.num_blocks * self.block_size, self.max_model_len),
         )
-        self.batcher = Batcher(batching, clock)
+        super().__init__(facts, limits, batching, clock)
         self._active: dict[str, SeqState] = {}  # handed to vLLM, by vLLM request id, in order
 
     @classmethod
@@ -81,14 +77,10 @@ class VllmCore:
         )
         return core
 
-    # -- intake ---------------------------------------------------------------------------------
-
-    def add(self, seq: SeqState, arrived: float) -> Refusal | None:
-        """Queue a sequence; a :class:`Refusal` if it can never run on this worker."""
-        return self.admission.queue(seq, arrived, self.batcher)
+    # -- what it holds --------------------------------------------------------------------------
 
     def held(self) -> list[SeqState]:
-        return [*self._active.values(), *(item.payload for item in self.batcher.pending())]
+        return [*self._active.values(), *self.waiting()]
 
     def running(self) -> list[SeqState]:
         return list(self._active.values())
@@ -103,9 +95,6 @@ class VllmCore:
     @property
     def has_work(self) -> bool:
         return bool(self._active) or self.batcher.is_due()
-
-    def ready_at(self) -> float | None:
-        return self.batcher.ready_at()
 
     def capacity(self) -> Capacity:
         return Capacity(
@@ -134,20 +123,22 @@ class VllmCore:
     # -- stepping -------------------------------------------------------------------------------
 
     def step(self, flush: bool = False) -> StepOutput:
-        out = StepOutput()
         handed = self._hand_over(flush)
+        batches: list[BatchEvent] = []
         if handed:
             prompt_tokens = sum(len(s.all_tokens) for s in handed)
-            out.batches.append(BatchEvent("prefill", len(handed), prompt_tokens, prompt_tokens=prompt_tokens))
+            batches.append(BatchEvent("prefill", len(handed), prompt_tokens, prompt_tokens=prompt_tokens))
         if not self._active:
-            return out
+            return StepOutput(batches=batches)
         size = len(self._active)
+        tokens: list[TokenOutput] = []
+        failed: list[tuple[SeqState, str]] = []
         for result in self.engine.step():
             seq = self._active.get(result.request_id)
             if seq is None:  # aborted on our side: nothing of it is streamed any more
                 continue
             for token_id in result.outputs[0].token_ids:
-                out.tokens.append(TokenOutput.append(seq, token_id))
+                tokens.append(TokenOutput.append(seq, token_id))
                 if seq.finished:
                     break
             if seq.finished or result.finished:
@@ -155,13 +146,13 @@ class VllmCore:
             if seq.finished and not result.finished:
                 self.engine.abort_request([result.request_id])  # EOS or a stop string, ours
             elif result.finished and not seq.finished:  # vLLM ended it early: not our rule
-                out.failed.append((seq, f"vLLM ended the request ({result.outputs[0].finish_reason})"))
+                failed.append((seq, f"vLLM ended the request ({result.outputs[0].finish_reason})"))
         for seq in self._active.values():
             seq.decode_steps += 1
             seq.batch_size_sum += size
         if not handed:
-            out.batches.append(BatchEvent("decode", size))
-        return out
+            batches.append(BatchEvent("decode", size))
+        return StepOutput(tokens, [], failed, batches)
 
     def _hand_over(self, flush: bool) -> list[SeqState]:
         """Requests the batching rule starts now, added to vLLM: with nothing running, the batch
@@ -192,8 +183,7 @@ class VllmCore:
         gone = [self._active.pop(rid) for rid in ids]
         if ids:
             self.engine.abort_request(ids)
-        waiting = [item.payload for item in self.batcher.remove(lambda item: item.key in keys)]
-        return gone + waiting
+        return gone + self.remove_waiting(keys)
 
 
 def model_facts(model_dir: str, engine: Any) -> ModelFacts:

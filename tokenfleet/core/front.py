@@ -1,0 +1,52 @@
+"""What every engine core does the same way before its engine sees a request: admission's checks,
+then the batching rule's queue (lanes, buckets, the wait). The native and the vLLM core both
+build on :class:`CoreFront`, so a request is refused, queued and dispatched alike whatever the
+engine behind it. No Redis, no torch."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Hashable
+
+from tokenfleet.batcher import Batcher
+from tokenfleet.config import DynamicBatchingConfig
+from tokenfleet.core.admission import Admission, Limits
+from tokenfleet.core.interface import ModelFacts
+from tokenfleet.core.sequence import SeqState
+from tokenfleet.protocol import Refusal
+
+
+class CoreFront:
+    """Admission and the waiting queue of an engine core; the core adds what runs."""
+
+    def __init__(
+        self,
+        facts: ModelFacts,
+        limits: Limits,
+        batching: DynamicBatchingConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.facts = facts
+        self.config = batching
+        self.admission = Admission(limits)
+        self.batcher = Batcher(batching, clock)
+
+    def add(self, seq: SeqState, arrived: float) -> Refusal | None:
+        """Queue a sequence (``arrived``: monotonic time it entered the queue, for max_wait_ms);
+        a :class:`Refusal` if it can never run here."""
+        return self.admission.queue(seq, arrived, self.batcher)
+
+    def waiting(self) -> list[SeqState]:
+        """Queued, not yet dispatched."""
+        return [item.payload for item in self.batcher.pending()]
+
+    def remove_waiting(self, keys: Collection[Hashable]) -> list[SeqState]:
+        """Drop the queued sequences with these keys; returns them."""
+        return [item.payload for item in self.batcher.remove(lambda item: item.key in keys)]
+
+    def ready_at(self) -> float | None:
+        """When an idle core will next have a batch due (see :meth:`Batcher.ready_at`)."""
+        return self.batcher.ready_at()
+
+    def set_wait(self, lane: int, seconds: float) -> None:
+        self.batcher.set_wait(lane, seconds)
