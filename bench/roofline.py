@@ -104,7 +104,7 @@ def time_kernel_linear(m: int, k: int, n: int, seconds: float) -> float:
     """tokenfleet's bf16 linear kernel on a weight packed for it (0 where it is not built)."""
     import torch
 
-    from tokenfleet.engines.native.cpu_linear import KernelLinear, bf16_kernel_available
+    from tokenfleet.engines.native.bf16_linear import KernelLinear, bf16_kernel_available
 
     if not bf16_kernel_available():
         return 0.0

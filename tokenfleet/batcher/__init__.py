@@ -1,4 +1,4 @@
-"""Batch formation: buckets, padding and the static/dynamic/continuous dispatch rules (pure)."""
+"""Batch formation: buckets, lanes and the static/dynamic/continuous dispatch rules (pure)."""
 
 from tokenfleet.batcher.batcher import Batch, Batcher, PendingRequest
 

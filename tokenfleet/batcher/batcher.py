@@ -33,10 +33,9 @@ class PendingRequest:
 
 @dataclass(frozen=True)
 class Batch:
-    """Requests dispatched together, with the prompt length they are padded to."""
+    """Requests dispatched together."""
 
     items: tuple[PendingRequest, ...]
-    padded_len: int
 
     @property
     def size(self) -> int:
@@ -47,18 +46,8 @@ class Batch:
         return tuple(sorted({item.bucket for item in self.items}))
 
     @property
-    def real_tokens(self) -> int:
+    def prompt_tokens(self) -> int:
         return sum(item.prompt_len for item in self.items)
-
-    @property
-    def padded_tokens(self) -> int:
-        """Pad positions computed for nothing: batch size × padded length − real prompt tokens."""
-        return self.size * self.padded_len - self.real_tokens
-
-    @property
-    def padding_waste(self) -> float:
-        """Padded tokens per real token (0.0 when every prompt has the same length)."""
-        return self.padded_tokens / self.real_tokens
 
 
 class Batcher:
@@ -67,7 +56,7 @@ class Batcher:
     ``next_batch`` applies the dispatch rule of the configured mode; ``take`` hands out waiting
     requests at once (continuous batching's joiners). A batch never mixes lanes, and the highest
     lane with work goes first; a lower lane's request that has waited ``promote_after_s`` ranks
-    as the highest, so lower lanes never starve. Within a rank, under ``bucket`` padding each
+    as the highest, so lower lanes never starve. Within a rank, unless ``mix_buckets``, each
     batch comes from one bucket and the bucket whose oldest request has waited longest goes
     first, so a busy bucket cannot starve a quiet one.
     """
@@ -137,8 +126,8 @@ class Batcher:
 
     def _groups(self) -> list[deque[PendingRequest]]:
         """The queues batches are formed from: one per lane and bucket, or one merged queue per
-        lane under ``max`` padding."""
-        if self.config.padding == "bucket":
+        lane with ``mix_buckets``."""
+        if not self.config.mix_buckets:
             return [q for q in self._queues.values() if q]
         lanes: dict[int, list[PendingRequest]] = {}
         for item in self.pending():
@@ -189,7 +178,7 @@ class Batcher:
 
     def take(self, limit: int) -> Batch | None:
         """Up to ``limit`` pending requests at once, regardless of the wait (joiners of a running
-        batch). Under ``bucket`` padding they come from the bucket with the oldest request."""
+        batch). Unless ``mix_buckets``, they come from the bucket with the oldest request."""
         groups = self._groups()
         if not groups or limit < 1:
             return None
@@ -207,4 +196,4 @@ class Batcher:
         for name, queue in self._queues.items():
             if any(id(item) in taken for item in queue):
                 self._queues[name] = deque(item for item in queue if id(item) not in taken)
-        return Batch(items=tuple(chosen), padded_len=max(item.prompt_len for item in chosen))
+        return Batch(items=tuple(chosen))

@@ -14,7 +14,7 @@ import click
 
 from tokenfleet.cli.common import fail, require_engine, settings_options
 from tokenfleet.config import PROFILES, WORKER_SETTINGS, flatten, resolve_worker_config
-from tokenfleet.worker import allocator
+from tokenfleet.worker import malloc
 
 
 @click.command(short_help="Serve requests from bucket streams (until SIGTERM).")
@@ -59,11 +59,11 @@ def worker(profile: str | None, config_file: str | None, log_level: str, dry_run
         click.echo(json.dumps(flatten(config), indent=2))
         return
     try:
-        allocator.arrange(config.engine.allocator)  # may re-execute this process, before torch loads
+        malloc.arrange(config.engine.allocator)  # may re-execute this process, before torch loads
     except ValueError as e:
         fail(str(e))
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("tokenfleet.worker").info(allocator.describe())
+    logging.getLogger("tokenfleet.worker").info(malloc.describe())
     # Loading makes ~400k long-lived objects (torch, transformers, the model), and the collector
     # scanned them all seven times on the way (0.9 s of a 5 s SmolLM2 start): off while loading,
     # then one collection (what loading left in cycles) and the survivors frozen out of later scans.

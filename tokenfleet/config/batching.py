@@ -3,18 +3,19 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from tokenfleet.config.settings import setting
 
 MODES = ("static", "dynamic", "continuous")
-PADDINGS = ("bucket", "max")
+PADDINGS = ("bucket", "max")  # the old spelling of mix_buckets (no / yes); kept for one release
 DEFAULT_BUCKETS = (128, 256, 512)
 
 
 @dataclass(frozen=True)
 class DynamicBatchingConfig:
-    """When a worker dispatches a batch, and how prompts are grouped and padded.
+    """When a worker dispatches a batch, and which prompts go together.
 
     - ``static``: dispatch only when ``max_batch_size`` requests are pending.
     - ``dynamic``: dispatch when ``max_batch_size`` are pending or the oldest pending request has
@@ -22,10 +23,13 @@ class DynamicBatchingConfig:
     - ``continuous``: like ``dynamic`` for the first batch; afterwards waiting requests join the
       running batch at the next step while slots and KV blocks allow.
 
-    ``padding='bucket'`` never mixes buckets in one batch; ``'max'`` mixes them and pads every
-    prompt to the longest one in the batch. ``max_prefill_tokens`` (continuous; MindIE's
-    ``maxPrefillTokens``) bounds one prefill step: a larger batch starts in parts, a decode step
-    between them. ``max_new_tokens_cap`` (MindIE's ``maxIterTimes``) bounds what a request may ask.
+    ``mix_buckets`` forms a batch from every bucket's waiting requests, oldest first; without it a
+    batch holds one bucket's. Prefill packs prompts end to end either way, so mixing pads nothing.
+    (``padding`` is its old spelling: ``bucket`` = no, ``max`` = yes.)
+
+    ``max_prefill_tokens`` (continuous; MindIE's ``maxPrefillTokens``) bounds one prefill step: a
+    larger batch starts in parts, a decode step between them. ``max_new_tokens_cap`` (MindIE's
+    ``maxIterTimes``) bounds what a request may ask.
     """
 
     max_wait_ms: float = setting(50.0, "Longest time the oldest waiting request waits for a batch to fill.")
@@ -34,9 +38,15 @@ class DynamicBatchingConfig:
     buckets: tuple[int, ...] = setting(
         DEFAULT_BUCKETS, "Prompt-length buckets served, comma-separated.", kind="buckets"
     )
-    padding: str = setting(
-        "bucket",
-        "bucket: one bucket per batch; max: mix buckets, pad to the longest prompt.",
+    mix_buckets: bool = setting(
+        False,
+        "Form each batch from every bucket's waiting requests, oldest first, instead of one bucket's "
+        "(fuller batches; prefill packs prompts end to end, so mixing pads nothing).",
+    )
+    padding: str | None = setting(
+        None,
+        "Deprecated: the old spelling of --mix-buckets (bucket: --no-mix-buckets, max: --mix-buckets).",
+        kind="str",
         choices=PADDINGS,
     )
     mode: str = setting(
@@ -94,11 +104,28 @@ class DynamicBatchingConfig:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
-        if self.padding not in PADDINGS:
-            raise ValueError(f"padding must be one of {PADDINGS}, got {self.padding!r}")
+        if not isinstance(self.mix_buckets, bool):
+            raise ValueError(f"mix_buckets must be true or false, got {self.mix_buckets!r}")
+        if self.padding is not None:
+            self._take_old_padding_spelling()
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         object.__setattr__(self, "buckets", buckets)
+
+    def _take_old_padding_spelling(self) -> None:
+        if self.padding not in PADDINGS:
+            raise ValueError(f"padding must be one of {PADDINGS}, got {self.padding!r}")
+        mix = self.padding == "max"
+        if self.mix_buckets and not mix:
+            raise ValueError("padding 'bucket' contradicts mix_buckets: give mix_buckets alone")
+        warnings.warn(
+            f"padding={self.padding!r} is deprecated: use {'--mix-buckets' if mix else '--no-mix-buckets'} "
+            "(config key mix_buckets); the old spelling goes in the next release",
+            FutureWarning,
+            stacklevel=4,
+        )
+        object.__setattr__(self, "mix_buckets", mix)
+        object.__setattr__(self, "padding", None)
 
     @property
     def max_wait_s(self) -> float:

@@ -38,7 +38,9 @@ class EngineConfig:
         "The name clients ask for (OpenAI's `model`; default: the model directory's name).",
         kind="str",
     )
-    device: str = setting("auto", "auto, cpu, cuda[:N] or npu[:N].")
+    device: str = setting(
+        "auto", "auto, cpu, cuda[:N] or npu[:N] (npu: torch_npu's path, never yet run on an Ascend NPU)."
+    )
     dtype: str = setting(
         "auto", "auto: bf16 on accelerators and bf16-capable CPUs, else float32.", choices=DTYPES
     )
@@ -110,7 +112,7 @@ class EngineConfig:
 class KVCacheConfig:
     """Size of the paged KV pool: an explicit block count, or a memory budget in bytes."""
 
-    block_size: int = setting(16, "Tokens per KV block (128 suits Ascend kernels).")
+    block_size: int = setting(16, "Tokens per KV block.")
     num_blocks: int | None = setting(
         None, "KV pool size in blocks (overrides --kv-cache-memory).", kind="int"
     )

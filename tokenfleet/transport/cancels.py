@@ -2,7 +2,7 @@
 (shared with the worker's other reads while a batch runs), whatever the number of requests held.
 
 A cancel is a flag key ``P:cancel:<id>`` (for requests no worker has taken yet; checked once, when
-a worker takes one: see :func:`tokenfleet.transport.registry.claim_request`) plus an entry on the
+a worker takes one: see :func:`tokenfleet.transport.ownership.take_ownership`) plus an entry on the
 ``{P}:cancels`` stream (for requests already running), tailed here.
 """
 

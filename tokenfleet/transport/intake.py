@@ -1,7 +1,7 @@
 """Reading work: consumer groups, bounded reads of new entries, our own pending list, and the
 decoding of each entry into a request or a refusal.
 
-A worker never takes from Redis more than it can start soon: every read is bounded by the room
+A worker never takes from Redis more than it can start soon: every read is bounded by the read budget
 the caller gives (``max_batch_size`` minus what waits), across all the streams it serves.
 """
 
@@ -105,17 +105,17 @@ class StreamReader:
         memory stays bounded on a long run; returns how many were removed."""
         return sum(int(self._trim(keys=[stream], args=[GROUP])) for stream in self.streams)
 
-    def read(self, rooms: Sequence[int], block_ms: int | None) -> list[Entry]:
-        """Up to ``rooms[k]`` new entries of lane ``k``. With ``block_ms``, wait that long for the
+    def read(self, budget: Sequence[int], block_ms: int | None) -> list[Entry]:
+        """Up to ``budget[k]`` new entries of lane ``k``. With ``block_ms``, wait that long for the
         first one (that wait reads at most one entry per stream); the rest is read without
         waiting. Within a lane, streams are visited from a rotating start so that a busy stream
         cannot starve a quiet one."""
-        rooms = list(rooms)
-        if not any(room > 0 for room in rooms):
+        budget = list(budget)
+        if not any(allowed > 0 for allowed in budget):
             return []
         entries: list[Entry] = []
         if block_ms is not None:
-            open_streams = [s for room, lane in zip(rooms, self.lanes) if room > 0 for s in lane]
+            open_streams = [s for allowed, lane in zip(budget, self.lanes) if allowed > 0 for s in lane]
             resp = self.client.xreadgroup(
                 GROUP, self.consumer, {s: ">" for s in open_streams}, count=1, block=max(1, block_ms)
             )
@@ -123,35 +123,35 @@ class StreamReader:
             if not entries:
                 return []
             for entry in entries:
-                rooms[self.lane_of(entry.stream)] -= 1
-        if any(room > 0 for room in rooms):
-            keys, args = self._read_args(rooms)
+                budget[self.lane_of(entry.stream)] -= 1
+        if any(allowed > 0 for allowed in budget):
+            keys, args = self._read_args(budget)
             entries += self._parse(self._script(keys=keys, args=args))
         return entries
 
-    def queue_read(self, pipe: Any, rooms: Sequence[int]) -> None:
+    def queue_read(self, pipe: Any, budget: Sequence[int]) -> None:
         """Queue :meth:`read`'s non-blocking read on ``pipe`` (the script by its SHA: through a
         pipeline, redis-py's Script would cost a SCRIPT EXISTS round trip of its own)."""
-        keys, args = self._read_args(rooms)
+        keys, args = self._read_args(budget)
         pipe.evalsha(self._script.sha, len(keys), *keys, *args)
 
-    def parse_queued(self, reply: object, rooms: Sequence[int]) -> list[Entry]:
+    def parse_queued(self, reply: object, budget: Sequence[int]) -> list[Entry]:
         """The entries of a :meth:`queue_read` reply; if Redis had lost the script (a restart),
         the read is made again on its own, which loads it."""
         if isinstance(reply, redis.exceptions.NoScriptError):
-            return self.read(rooms, None)
+            return self.read(budget, None)
         if isinstance(reply, Exception):
             raise reply
         return self._parse(reply)
 
-    def _read_args(self, rooms: Sequence[int]) -> tuple[list[str], list[Any]]:
+    def _read_args(self, budget: Sequence[int]) -> tuple[list[str], list[Any]]:
         """KEYS and ARGV of :data:`scripts.READ_BOUNDED`: each lane's streams from a rotating start."""
         keys: list[str] = []
         args: list[Any] = [GROUP, self.consumer]
-        for streams, rotation, room in zip(self.lanes, self._rotations, rooms):
+        for streams, rotation, allowed in zip(self.lanes, self._rotations, budget):
             start = next(rotation)
             keys += streams[start:] + streams[:start]
-            args += [len(streams), max(0, room)]
+            args += [len(streams), max(0, allowed)]
         return keys, args
 
     def lane_of(self, stream: str) -> int:

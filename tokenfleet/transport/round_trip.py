@@ -44,18 +44,18 @@ class RoundTrip:
         self._thread: ThreadPoolExecutor | None = None
         self._pending: Future[list[Any]] | Callable[[], list[Any]] | None = None
         self._sent = 0
-        self._rooms: tuple[int, ...] = ()
+        self._budget: tuple[int, ...] = ()
 
-    def start(self, rooms: tuple[int, ...], background: bool) -> None:
-        """Queue the outbox's replies, a read of up to ``rooms[k]`` new entries of each lane ``k``
+    def start(self, budget: tuple[int, ...], background: bool) -> None:
+        """Queue the outbox's replies, a read of up to ``budget[k]`` new entries of each lane ``k``
         and one of the
         cancels; send them now on the I/O thread (``background``) or at :meth:`finish`."""
         assert self._pending is None, "one round trip at a time"
         pipe = self.client.pipeline(transaction=False)
         self._sent = self.outbox.queue_into(pipe)
-        self._rooms = rooms
-        if any(room > 0 for room in rooms):
-            self.reader.queue_read(pipe, rooms)
+        self._budget = budget
+        if any(allowed > 0 for allowed in budget):
+            self.reader.queue_read(pipe, budget)
         self.cancels.queue_read(pipe)
         run = functools.partial(pipe.execute, raise_on_error=False)
         if background:
@@ -73,8 +73,8 @@ class RoundTrip:
         try:
             replies = pending.result() if isinstance(pending, Future) else pending()
             refused = self.outbox.sent(replies[: self._sent])
-            reading = any(room > 0 for room in self._rooms)
-            entries = self.reader.parse_queued(replies[self._sent], self._rooms) if reading else []
+            reading = any(allowed > 0 for allowed in self._budget)
+            entries = self.reader.parse_queued(replies[self._sent], self._budget) if reading else []
             cancelled = self.cancels.parse(replies[-1])
         except BaseException:
             self.outbox.restore()

@@ -2,12 +2,14 @@
 
 Three routes, named as ``--bf16-linear`` names them:
 
-- ``float32``: :class:`PackedLinear`, oneDNN on a weight reordered once at load (no second copy).
-  Always for float32 models (faster than ``F.linear``'s MKL GEMM at decode shapes); for bf16 ones
-  where this CPU's float32 GEMM outruns its bf16 one. The arithmetic is a bf16 GEMM's (bf16 inputs
-  widen exactly, float32 sums, output rounded to bf16); the weight is held in float32.
-- ``kernel``: :class:`KernelLinear`, tokenfleet's bf16 GEMM (``csrc/linear_bf16_cpu.cpp``) on a
-  weight packed at load: VDPBF16PS with AVX512-BF16, float32 FMAs on widened weights otherwise.
+- ``float32``: :class:`~tokenfleet.engines.native.onednn_linear.PackedLinear`, oneDNN on a weight
+  reordered once at load (no second copy). Always for float32 models (faster than ``F.linear``'s
+  MKL GEMM at decode shapes); for bf16 ones where this CPU's float32 GEMM outruns its bf16 one.
+  The arithmetic is a bf16 GEMM's (bf16 inputs widen exactly, float32 sums, output rounded to
+  bf16); the weight is held in float32.
+- ``kernel``: :class:`~tokenfleet.engines.native.bf16_linear.KernelLinear`, tokenfleet's bf16 GEMM
+  (``csrc/linear_bf16_cpu.cpp``) on a weight packed at load: VDPBF16PS with AVX512-BF16, float32
+  FMAs on widened weights otherwise.
 - ``native``: the model's own linears, left as they are.
 
 ``auto`` times the routes at start-up and takes the kernel where it is fastest at decode rows and
@@ -23,110 +25,17 @@ from collections import Counter
 import torch
 from torch import nn
 
+from tokenfleet.engines.native.bf16_linear import KernelLinear, bf16_kernel_available, bf16_linear_speeds
 from tokenfleet.engines.native.device import BF16_SLOWER_HINT, bf16_matmul_speed
 from tokenfleet.engines.native.f32_linear import F32KernelLinear, f32_kernel_wanted
-from tokenfleet.engines.native.route_race import race_routes
+from tokenfleet.engines.native.onednn_linear import DECODE_ROWS_HINT, PackedLinear
 
-DECODE_ROWS_HINT = 32  # the batch oneDNN lays the weight out for; any row count still works
 BF16_ROUTES = ("auto", "kernel", "float32", "native")
 KERNEL_MIN_DECODE_GAIN = 1.0  # auto takes the kernel when at least as fast at 32 rows ...
 KERNEL_MAX_PREFILL_LOSS = 0.95  # ... and at least this fast as the best other at 512 rows,
 KERNEL_MAX_PREFILL_LOSS_VS_FLOAT32 = 0.8  # or this fast where that is the float32 copy
 
 log = logging.getLogger(__name__)
-
-
-class PackedLinear(nn.Module):
-    """An ``nn.Linear`` computed by oneDNN on a float32 weight in its blocked layout; inputs of
-    another dtype are widened and the output is rounded back to that dtype."""
-
-    DTYPES = (torch.float32, torch.bfloat16)  # the weights it takes
-
-    def __init__(self, linear: nn.Linear, rows_hint: int = DECODE_ROWS_HINT):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.dtype = linear.weight.dtype
-        weight = linear.weight.detach().float()
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
-        self.register_buffer("packed_weight", packed, persistent=False)
-        if self.dtype == torch.float32:
-            self.bias = linear.bias
-        else:  # a bf16 GEMM adds its bias in float32 before rounding too
-            bias = None if linear.bias is None else linear.bias.detach().float()
-            self.register_buffer("bias", bias, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        out = torch.ops.mkldnn._linear_pointwise(x.float(), self.packed_weight, self.bias, "none", [], "")
-        return out.to(self.dtype)
-
-
-class KernelLinear(nn.Module):
-    """A bf16 ``nn.Linear`` computed by ``tokenfleet::linear_bf16`` on its weight packed into
-    64-column panels (the original weight is not kept)."""
-
-    DTYPES = (torch.bfloat16,)
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        packed = torch.ops.tokenfleet.pack_linear_bf16(linear.weight.detach())
-        self.register_buffer("packed_weight", packed, persistent=False)
-        # the kernel adds the bias to its float32 sums: converted once here, not on every call
-        bias = None if linear.bias is None else linear.bias.detach().float()
-        self.register_buffer("bias", bias, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.tokenfleet.linear_bf16(x, self.packed_weight, self.out_features, self.bias)
-
-
-def bf16_kernel_available() -> bool:
-    """Whether ``tokenfleet::linear_bf16`` is built for this CPU (it needs AVX-512 F, BW and VL, or
-    AVX2 and FMA)."""
-    from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
-
-    if paged_attention_kernels() is None:
-        return False
-    try:
-        packed = torch.ops.tokenfleet.pack_linear_bf16(torch.ones(2, 2, dtype=torch.bfloat16))
-        torch.ops.tokenfleet.linear_bf16(torch.ones(1, 2, dtype=torch.bfloat16), packed, 2, None)
-    except RuntimeError:  # built without AVX-512 or AVX2
-        return False
-    return True
-
-
-def bf16_linear_speeds(
-    size: int = 1024, weights: int = 12, rounds: int = 5
-) -> dict[str, tuple[float, float]]:
-    """Seconds (best of ``rounds``) of a ``size`` x ``size`` bf16 linear on each route: ``kernel``,
-    ``native`` (oneDNN bf16, prepacked) and ``float32`` (oneDNN float32, prepacked); at 32 rows
-    through ``weights`` weights in turn (24 MB: from memory, as a decode step reads them), and at
-    512 rows through one. The routes take turns within each round, so a shared host's drift hits
-    them all. ~0.3 s; ~1 s where the library emulates bf16 matmuls."""
-    from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
-
-    paged_attention_kernels()  # registers tokenfleet::linear_bf16
-    routes: dict[str, list] = {"kernel": [], "native": [], "float32": []}
-    for _ in range(weights):
-        linear = nn.Linear(size, size, bias=False, dtype=torch.bfloat16)
-        routes["kernel"].append(KernelLinear(linear))
-        routes["native"].append(native_bf16_linear(linear.weight.detach()))
-        routes["float32"].append(PackedLinear(linear))
-    decode_x = torch.randn(DECODE_ROWS_HINT, size).to(torch.bfloat16)
-    prefill_x = torch.randn(512, size).to(torch.bfloat16)
-
-    return race_routes(routes, decode_x, prefill_x, rounds)
-
-
-def native_bf16_linear(weight: torch.Tensor):
-    """The library's bf16 linear on ``weight``: oneDNN's on a prepacked weight, or ``F.linear``
-    where oneDNN has no bf16 linear for this CPU (AVX2 only: emulated)."""
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, DECODE_ROWS_HINT)
-    except RuntimeError:
-        return lambda x: torch.nn.functional.linear(x, weight)
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def bf16_kernel_wanted(device: torch.device, dtype: torch.dtype, route: str = "auto") -> bool:

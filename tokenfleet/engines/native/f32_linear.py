@@ -3,7 +3,7 @@ between it and the library's GEMMs, named as ``--f32-linear`` names the routes:
 
 - ``kernel``: :class:`F32KernelLinear`, on a weight packed once at load into column panels
   (48 wide with AVX-512, 16 with AVX2).
-- ``onednn``: oneDNN on a prepacked weight (``cpu_linear.PackedLinear``).
+- ``onednn``: oneDNN on a prepacked weight (``onednn_linear.PackedLinear``).
 - ``native``: the model's own ``F.linear``.
 
 ``auto`` times the kernel against the route it would otherwise take and keeps it where it is at
@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
+from tokenfleet.engines.native.onednn_linear import PackedLinear
 from tokenfleet.engines.native.route_race import race_routes
 
 log = logging.getLogger(__name__)
@@ -47,8 +49,6 @@ class F32KernelLinear(nn.Module):
 
 def f32_kernel_available() -> bool:
     """Whether ``tokenfleet::linear_f32`` is built for this CPU (it needs AVX-512, or AVX2 and FMA)."""
-    from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
-
     if paged_attention_kernels() is None:
         return False
     try:
@@ -92,12 +92,7 @@ def f32_kernel_wanted(device: torch.device, dtype: torch.dtype, route: str, oned
     if route == "kernel":
         return True
     rival_name = "oneDNN" if onednn and torch.backends.mkldnn.is_available() else "F.linear"
-    if rival_name == "oneDNN":
-        from tokenfleet.engines.native.cpu_linear import PackedLinear
-
-        speeds = f32_linear_speeds(PackedLinear)
-    else:
-        speeds = f32_linear_speeds(lambda m: m)
+    speeds = f32_linear_speeds(PackedLinear if rival_name == "oneDNN" else lambda m: m)
     kernel, rival = speeds["kernel"], speeds["rival"]
     decode_gain, prefill_gain = rival[0] / kernel[0], rival[1] / kernel[1]
     wanted = decode_gain >= KERNEL_MIN_DECODE_GAIN and prefill_gain >= KERNEL_MAX_PREFILL_LOSS
