@@ -134,3 +134,13 @@ def cache_dir() -> Path:
     """Where tokenfleet keeps what it builds or fetches once per machine (models, CPU kernels):
     ``$XDG_CACHE_HOME/tokenfleet``, else ``~/.cache/tokenfleet``."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenfleet"
+
+
+def kernel_cache_dirs() -> list[Path]:
+    """Where CPU kernel builds are looked for, in order: ``TOKENFLEET_KERNEL_CACHE`` when set
+    (then only there), else this process's cache home and the user's default one (a process with a
+    cache home of its own still finds the machine's build). New builds go in the first."""
+    if os.environ.get(ENV_PREFIX + "KERNEL_CACHE"):
+        return [Path(os.environ[ENV_PREFIX + "KERNEL_CACHE"])]
+    dirs = [cache_dir() / "kernels", Path.home() / ".cache" / "tokenfleet" / "kernels"]
+    return dirs[:1] if dirs[0] == dirs[1] else dirs

@@ -1,15 +1,22 @@
-"""The CPU kernels (``csrc/``), built on first use.
+"""The CPU kernels (``csrc/``), built once per machine and CPU kind, loaded once per process.
 
 Loading them registers the operators ``torch.ops.tokenfleet.paged_decode`` and
 ``torch.ops.tokenfleet.paged_prefill`` (write the step's K/V into the pool, attend), and
-``pack_linear_bf16`` / ``linear_bf16`` (bf16 linears on AVX512-BF16, see ``cpu_linear``) and a
+``pack_linear_bf16`` / ``linear_bf16`` (bf16 linears on AVX512-BF16, see ``bf16_linear``) and a
 decoder layer's elementwise parts (``rms_norm``, ``add_rms_norm``, ``rotary_``, ``silu_and_mul``,
-see ``decoder``), with
-shape-only implementations here so that ``torch.compile`` can trace them. They are
-compiled for this machine's CPU with the C++ compiler PyTorch finds (``torch.utils.cpp_extension``),
-cached under ``~/.cache/tokenfleet/kernels/<cpu>``, and loaded once per process. When it cannot
-be built (no compiler, no ``ninja``) or ``--no-paged-kernel`` turns it off, callers get ``None``
-and fall back to gathering the blocks and calling SDPA: slower, same results.
+see ``decoder``), with shape-only implementations here so that ``torch.compile`` can trace them.
+
+They are compiled for this machine's CPU with the C++ compiler PyTorch finds
+(``torch.utils.cpp_extension``) into ``<cache>/kernels/<key>``: the key holds everything that
+changes the binary (the CPU's instruction sets, torch's and Python's versions, the flags, the
+sources' bytes) and nothing that does not (not the virtualenv, not the checkout), and the
+sources are compiled from copies inside that directory. A finished build is marked and from then
+on imported directly, never handed to ninja again (torch writes the venv's include paths into
+the build file: run through it, every other virtualenv rebuilt everything). Builds are looked for
+in this process's cache home and in the user's default one, so a test with a cache home of its
+own or a second virtualenv compiles nothing. When they cannot be built (no compiler, no
+``ninja``) or ``--no-paged-kernel`` turns them off, callers get ``None`` and fall back to
+gathering the blocks and calling SDPA: slower, same results.
 """
 
 from __future__ import annotations
@@ -17,9 +24,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
+import json
 import logging
 import os
 import platform
+import shutil
 import sys
 import threading
 import time
@@ -27,10 +37,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tokenfleet.config.loading import cache_dir
+from tokenfleet.config.loading import kernel_cache_dirs
 
 log = logging.getLogger(__name__)
 
+NAME = "tokenfleet_paged_attention_cpu"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [
     CSRC / "paged_decode_cpu.cpp",
@@ -49,13 +60,18 @@ CFLAGS = [
     "-fno-trapping-math",
     "-fno-math-errno",  # lets the softmax's exp vectorize
 ]
+DONE = "built.json"  # written last by a build that succeeded: its library is complete
+# CPU-seconds a full build took on a 2-vCPU EPYC (Zen 4); the estimate before this machine has one
+BUILD_CPU_S = 170.0
+KEEP_BUILDS = 4  # builds of other sources kept per cache (older checkouts), most recently used first
 _lock = threading.Lock()
 _module: Any = None
 _tried = False
 
 
-def _cpu_tag() -> str:
-    """A cache key for ``-march=native`` builds: a build is only reused on the same kind of CPU."""
+def build_key() -> str:
+    """What changes the binary: the CPU's instruction sets, torch and Python, the compiler flags,
+    the sources. Nothing else: two virtualenvs or checkouts of the same code share one build."""
     try:
         flags = next(
             (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), ""
@@ -64,7 +80,6 @@ def _cpu_tag() -> str:
         flags = platform.processor()
     import torch
 
-    # what changes the binary: the CPU's ISA, torch and Python, the compiler flags, the sources
     code = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = f"{flags}|{torch.__version__}|{sys.version_info[:2]}|{CFLAGS}|{code.hex()}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -82,17 +97,7 @@ def paged_attention_kernels(enabled: bool = True) -> Any:
             return _module
         _tried = True
         try:
-            from torch.utils.cpp_extension import load
-
-            build_dir = build_directory()
-            building = not kernels_built(build_dir)
-            if building:
-                log.info("building the CPU kernels: once per machine, ~1 min")
-            else:
-                log.info("loading the CPU kernels (built on this machine before)")
-            ticks = "still building the CPU kernels" if building else None
-            with build_lock(build_dir), progress_lines(ticks):
-                _module = _load(load, build_dir)
+            _module = load_or_build()
             _register_fake()
         except Exception as e:  # no compiler, no ninja, an odd platform: the gather path still works
             log.warning("CPU paged-attention kernels unavailable (%s); using gather + SDPA", str(e)[:300])
@@ -100,25 +105,122 @@ def paged_attention_kernels(enabled: bool = True) -> Any:
         return _module
 
 
-def kernels_built(build_dir: Path | None = None) -> bool:
+def load_or_build() -> Any:
+    """This machine's build of these sources, imported; built first (once) where there is none.
+    A process that finds another building waits for it, with progress lines, and imports its build."""
+    built = find_build()
+    if built is not None:
+        log.info("loading the CPU kernels (built on this machine before: %s)", built)
+        return _import(built)
+    build_dir = build_directory()
+    log.info("building the CPU kernels: once per machine, %s", build_estimate())
+    with progress_lines("still building the CPU kernels"), build_lock(build_dir):
+        if (build_dir / DONE).exists():  # another process built them while we waited
+            return _import(build_dir)
+        return _build(build_dir)
+
+
+def find_build() -> Path | None:
+    """The directory of a finished build of these sources on this machine, if any (its use noted,
+    so the builds kept are the ones in use)."""
+    key = build_key()
+    for root in kernel_cache_dirs():
+        candidate = root / key
+        if (candidate / DONE).exists() and (candidate / f"{NAME}.so").exists():
+            with contextlib.suppress(OSError):
+                os.utime(candidate / DONE)
+            return candidate
+    return None
+
+
+def kernels_built() -> bool:
     """Whether this machine already holds a build of these sources (loading takes a second)."""
-    return ((build_dir or build_directory()) / "tokenfleet_paged_attention_cpu.so").exists()
+    return find_build() is not None
 
 
 def build_directory() -> Path:
-    """Where this machine's build of these sources lives (made if missing)."""
-    build_dir = cache_dir() / "kernels" / _cpu_tag()
+    """Where this process builds these sources (made if missing): under its own cache home."""
+    build_dir = kernel_cache_dirs()[0] / build_key()
     build_dir.mkdir(parents=True, exist_ok=True)
     return build_dir
+
+
+def build_estimate() -> str:
+    """How long a build takes here: the last build's wall time on this machine where one was
+    recorded, else the CPU time measured on a 2-vCPU host over the cores available (at most one
+    per source file, as ninja compiles them)."""
+    records = []
+    for root in kernel_cache_dirs():
+        for done in root.glob(f"*/{DONE}"):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                records.append(float(json.loads(done.read_text())["seconds"]))
+    if records:
+        return f"about {max(records) / 60:.1f} min here last time"
+    cores = min(len(SOURCES), os.cpu_count() or 1)
+    return f"about {BUILD_CPU_S / cores / 60:.0f}-{2 * BUILD_CPU_S / cores / 60:.0f} min on {cores} cores"
+
+
+def _build(build_dir: Path) -> Any:
+    """Compile (torch's ``cpp_extension.load`` on copies of the sources inside ``build_dir``),
+    then mark the build finished and prune old builds."""
+    from torch.utils.cpp_extension import load
+
+    started = time.monotonic()
+    src = build_dir / "src"
+    src.mkdir(exist_ok=True)
+    for path in SOURCES + HEADERS:
+        copy, code = src / path.name, path.read_bytes()
+        if copy.exists() and copy.read_bytes() == code:
+            continue  # the key holds the sources' hash: an unchanged copy keeps its time for ninja
+        partial = copy.with_name(f"{copy.name}.{os.getpid()}.tmp")
+        partial.write_bytes(code)
+        partial.replace(copy)
+    module = load(
+        name=NAME,
+        sources=[str(src / path.name) for path in SOURCES],
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+    seconds = time.monotonic() - started
+    (build_dir / DONE).write_text(json.dumps({"seconds": round(seconds, 1), "cores": os.cpu_count()}))
+    log.info("built the CPU kernels in %.0f s", seconds)
+    prune_builds(build_dir.parent, keep=build_dir)
+    return module
+
+
+def _import(build_dir: Path) -> Any:
+    """Import a finished build's library (torch first: it links against torch's own libraries)."""
+    import torch  # noqa: F401
+
+    spec = importlib.util.spec_from_file_location(NAME, build_dir / f"{NAME}.so")
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {build_dir / NAME}.so")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def prune_builds(root: Path, keep: Path) -> None:
+    """Remove all but the :data:`KEEP_BUILDS` most recently used builds under ``root`` (other
+    checkouts' sources), never ``keep`` nor one being built (no mark yet)."""
+    finished = sorted(
+        (d for d in root.iterdir() if (d / DONE).exists() and d != keep),
+        key=lambda d: (d / DONE).stat().st_mtime,
+        reverse=True,
+    )
+    for old in finished[KEEP_BUILDS - 1 :]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 PROGRESS_EVERY_S = 15.0
 
 
 @contextlib.contextmanager
-def progress_lines(what: str | None) -> Iterator[None]:
+def progress_lines(what: str) -> Iterator[None]:
     """A log line every :data:`PROGRESS_EVERY_S` seconds while the block runs (``what``, and the
-    seconds so far; ``None``: no lines), so a minute's build never looks like a hang."""
+    seconds so far), so a minute's build never looks like a hang."""
     done = threading.Event()
     start = time.monotonic()
 
@@ -126,9 +228,7 @@ def progress_lines(what: str | None) -> Iterator[None]:
         while not done.wait(PROGRESS_EVERY_S):
             log.info("%s (%.0f s)", what, time.monotonic() - start)
 
-    ticker = threading.Thread(target=tick, name="tokenfleet-progress", daemon=True) if what else None
-    if ticker is not None:
-        ticker.start()
+    threading.Thread(target=tick, name="tokenfleet-progress", daemon=True).start()
     try:
         yield
     finally:
@@ -148,29 +248,6 @@ def build_lock(build_dir: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _load(load: Any, build_dir: Path) -> Any:
-    """torch's ``cpp_extension.load`` of our sources, built from copies inside the build
-    directory: its ``build.ninja`` names absolute paths, and built from each checkout's own files
-    a second checkout or virtualenv rebuilt everything (and two at once corrupted each other).
-    The directory's key holds the sources' hash, so a copy already there is this code."""
-    src = build_dir / "src"
-    src.mkdir(exist_ok=True)
-    for path in SOURCES + HEADERS:
-        copy = src / path.name
-        if not copy.exists():
-            partial = copy.with_name(f"{copy.name}.{os.getpid()}.tmp")
-            partial.write_bytes(path.read_bytes())
-            partial.replace(copy)
-    return load(
-        name="tokenfleet_paged_attention_cpu",
-        sources=[str(src / path.name) for path in SOURCES],
-        extra_cflags=CFLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        verbose=False,
-    )
 
 
 def _register_fake() -> None:
