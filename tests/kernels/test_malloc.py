@@ -6,22 +6,22 @@ import sys
 
 import pytest
 
-from tokenfleet.worker import allocator
+from tokenfleet.worker import malloc
 
 CHILD = """
 import sys
-from tokenfleet.worker import allocator
-allocator.arrange(sys.argv[1], [sys.executable, __file__, *sys.argv[1:]])
-print(allocator.tcmalloc_loaded(), allocator.describe(), sep="|")
+from tokenfleet.worker import malloc
+malloc.arrange(sys.argv[1], [sys.executable, __file__, *sys.argv[1:]])
+print(malloc.tcmalloc_loaded(), malloc.describe(), sep="|")
 """
 
-needs_tcmalloc = pytest.mark.skipif(allocator.find_tcmalloc() is None, reason="no tcmalloc on this machine")
+needs_tcmalloc = pytest.mark.skipif(malloc.find_tcmalloc() is None, reason="no tcmalloc on this machine")
 
 
 def run(tmp_path, choice: str, **env: str) -> tuple[bool, str]:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ARRANGED)}
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", malloc.ARRANGED)}
     out = subprocess.run(
         [sys.executable, str(script), choice], env={**base, **env}, capture_output=True, text=True, check=True
     ).stdout.strip()
@@ -44,19 +44,19 @@ def test_system_leaves_the_process_as_started(tmp_path):
 
 @needs_tcmalloc
 def test_a_users_own_preload_is_kept(tmp_path):
-    mine = allocator.find_tcmalloc()
+    mine = malloc.find_tcmalloc()
     loaded, line = run(tmp_path, "auto", LD_PRELOAD=mine)
     assert loaded
     assert line == f"allocator: as preloaded by LD_PRELOAD ({mine})"
 
 
 def test_without_tcmalloc_glibc_is_tuned_instead(tmp_path, monkeypatch):
-    monkeypatch.setattr(allocator, "find_tcmalloc", lambda: None)
-    monkeypatch.delenv(allocator.ARRANGED, raising=False)
+    monkeypatch.setattr(malloc, "find_tcmalloc", lambda: None)
+    monkeypatch.delenv(malloc.ARRANGED, raising=False)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
-    allocator.arrange("auto")  # no re-exec: it returns
-    assert os.environ[allocator.ARRANGED] == "glibc"
-    assert "glibc, thresholds raised" in allocator.describe()
-    monkeypatch.delenv(allocator.ARRANGED)
+    malloc.arrange("auto")  # no re-exec: it returns
+    assert os.environ[malloc.ARRANGED] == "glibc"
+    assert "glibc, thresholds raised" in malloc.describe()
+    monkeypatch.delenv(malloc.ARRANGED)
     with pytest.raises(ValueError, match="no tcmalloc here"):
-        allocator.arrange("tcmalloc")
+        malloc.arrange("tcmalloc")

@@ -12,7 +12,7 @@ import yaml
 
 from tokenfleet.transport.embedded import free_port
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 def compose():

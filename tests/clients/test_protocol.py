@@ -169,7 +169,7 @@ def test_reply_events_round_trip():
 def test_protocol_md_holds_the_enqueue_script_word_for_word():
     from pathlib import Path
 
-    doc = (Path(__file__).parent.parent / "docs" / "PROTOCOL.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "PROTOCOL.md").read_text()
     assert scripts.ENQUEUE.strip() in doc
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from tokenfleet.gateway.app import _Metrics
 from tokenfleet.worker.metrics import WorkerMetrics
 
-DASHBOARD = Path(__file__).parent.parent / "deploy" / "grafana" / "tokenfleet.json"
+DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "tokenfleet.json"
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
 
 

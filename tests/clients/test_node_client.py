@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-NODE_DIR = Path(__file__).parent.parent / "examples" / "node"
+NODE_DIR = Path(__file__).parents[2] / "examples" / "node"
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js")

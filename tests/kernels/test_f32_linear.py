@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 
 
 needs_kernel = linear_kernels.needs_kernel(
-    "f32_linear.f32_kernel_available()", "tokenfleet::linear_f32 needs a CPU with AVX-512 or AVX2"
+    f32_linear.f32_kernel_available, "tokenfleet::linear_f32 needs a CPU with AVX-512 or AVX2"
 )
 
 
@@ -108,7 +108,7 @@ def test_the_float32_kernel_replaces_the_weights_and_runs_inside_a_compiled_grap
 
 @needs_kernel
 def test_the_routes_are_timed_against_onednn_or_f_linear():
-    from tokenfleet.engines.native.cpu_linear import PackedLinear
+    from tokenfleet.engines.native.onednn_linear import PackedLinear
 
     for rival in (PackedLinear, lambda m: m):
         speeds = f32_linear.f32_linear_speeds(rival, size=64, weights=2, rounds=1)
@@ -179,7 +179,7 @@ def test_a_float32_engine_on_the_kernel_decodes_as_one_on_onednn(tiny_model):
 def test_the_linear_kernels_give_the_same_bits_on_one_thread_as_on_several(out_features):
     # a decode batch over an odd number of panels is split by rows instead: each output's sum is
     # still one thread's, in the same order
-    from tokenfleet.engines.native.cpu_linear import KernelLinear
+    from tokenfleet.engines.native.bf16_linear import KernelLinear
 
     torch.manual_seed(out_features)
     linear = nn.Linear(96, out_features)

@@ -115,7 +115,7 @@ def test_fuzzed_entries_never_kill_the_worker(run_worker, redis_url, prefix, r, 
             prompt = f"valid {uuid.uuid4().hex[:6]}"
             handle = client.submit(prompt, max_new_tokens=4)
             assert handle.result(timeout=120).token_ids == reference.greedy(reference.ids(prompt), 4)
-            assert running.thread.is_alive()
+            running.assert_healthy()
 
         throw()
         # everything thrown was taken and acknowledged: nothing waits, nothing is pending
@@ -127,7 +127,7 @@ def test_fuzzed_entries_never_kill_the_worker(run_worker, redis_url, prefix, r, 
                 break
             running.thread.join(0.05)
         assert deadline_ok, groups
-        assert running.thread.is_alive()
+        running.assert_healthy()
     assert sent >= 1200
     for _, fields in r.xrange(keys.dead_letter):
         assert fields[b"reason"] and fields[b"code"]
@@ -242,7 +242,7 @@ def test_twenty_thousand_malformed_entries_cost_only_themselves(
             running.thread.join(0.1)
         else:
             pytest.fail(f"entries left unanswered: {groups}")
-        assert running.thread.is_alive()
+        running.assert_healthy()
         time.sleep(6)  # the worker trims acknowledged entries every 5 s
     ended = {
         (metric.name, s.labels.get("code") or s.labels.get("reason")): s.value

@@ -14,7 +14,7 @@ from tokenfleet.protocol import Keys
 from tokenfleet.transport.acl import acl_rules
 from tokenfleet.transport.embedded import EmbeddedRedis, answers, find_server_binary, free_port
 
-pytestmark = pytest.mark.skipif(find_server_binary() is None, reason="needs a redis-server binary")
+pytestmark = pytest.mark.usefixtures("redis_server_binary")
 BATCHING = DynamicBatchingConfig(max_wait_ms=5, max_batch_size=4, max_seq_len=256, buckets=(16, 64))
 
 
@@ -183,7 +183,7 @@ def test_operations_doc_shows_the_rules_the_code_applies():
     import shlex
     from pathlib import Path
 
-    doc = (Path(__file__).parent.parent / "docs" / "OPERATIONS.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "OPERATIONS.md").read_text()
     for args in acl_rules("tokenfleet", "P", "W", "M"):
         assert "ACL SETUSER " + " ".join(shlex.quote(a) for a in args) in doc
 

@@ -12,8 +12,9 @@ from linear_kernels import AGREEMENT_PROMPTS
 from torch import nn
 
 from tokenfleet.config import EngineConfig
-from tokenfleet.engines.native import cpu_linear
-from tokenfleet.engines.native.cpu_linear import PackedLinear, onednn_linears_wanted, pack_linears
+from tokenfleet.engines.native import bf16_linear, cpu_linear
+from tokenfleet.engines.native.cpu_linear import onednn_linears_wanted, pack_linears
+from tokenfleet.engines.native.onednn_linear import PackedLinear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -124,7 +125,7 @@ def test_bf16_and_float16_models_pack_only_what_oneDNN_float32_can_hold():
 
 
 needs_kernel = linear_kernels.needs_kernel(
-    "cpu_linear.bf16_kernel_available()", "tokenfleet::linear_bf16 needs a CPU with AVX-512 or AVX2"
+    bf16_linear.bf16_kernel_available, "tokenfleet::linear_bf16 needs a CPU with AVX-512 or AVX2"
 )
 
 
@@ -147,7 +148,7 @@ def test_the_bf16_kernel_rounds_float32_sums_of_the_bf16_products_once(bias, row
     x = torch.randn(2, rows, in_features).to(torch.bfloat16)  # a leading batch dimension, as HF passes
     with torch.inference_mode():
         native = linear(x)
-        got = cpu_linear.KernelLinear(linear)(x)
+        got = bf16_linear.KernelLinear(linear)(x)
     assert got.dtype is torch.bfloat16 and got.shape == (2, rows, out_features)
     bias = None if linear.bias is None else linear.bias.double()
     exact = F.linear(x.double(), linear.weight.double(), bias)
@@ -169,7 +170,7 @@ def test_the_bf16_kernel_rounds_exact_sums_to_nearest_even_and_keeps_nan_and_inf
     x = torch.randint(-8, 9, (9, 80)).to(torch.bfloat16)
     x[7, 3], x[8, 5] = float("nan"), float("inf")
     with torch.inference_mode():
-        got = cpu_linear.KernelLinear(linear)(x)
+        got = bf16_linear.KernelLinear(linear)(x)
     exact = F.linear(x[:7].double(), linear.weight.double(), linear.bias.double())
     assert exact.abs().max() < 2**24 and torch.equal(got[:7], exact.to(torch.bfloat16))
     assert got[7].isnan().all()  # NaN times anything, summed: NaN in every column
@@ -184,10 +185,10 @@ def test_the_bf16_kernel_replaces_the_weight_and_runs_inside_a_compiled_graph():
     ids = torch.randint(0, 50, (3, 7))
     with torch.inference_mode():
         expected = model(ids)
-        assert pack_linears(model, cpu_linear.KernelLinear) == 3  # proj, down and the tied head
+        assert pack_linears(model, bf16_linear.KernelLinear) == 3  # proj, down and the tied head
         eager = model(ids)
         compiled = torch.compile(model, fullgraph=True)(ids)
-    assert isinstance(model.proj, cpu_linear.KernelLinear) and isinstance(model.extra, nn.Linear)
+    assert isinstance(model.proj, bf16_linear.KernelLinear) and isinstance(model.extra, nn.Linear)
     assert not any(name.endswith("proj.weight") for name, _ in model.named_parameters())
     assert torch.equal(compiled, eager)
     assert torch.allclose(eager.float(), expected.float(), rtol=0.05, atol=0.05)
@@ -196,7 +197,7 @@ def test_the_bf16_kernel_replaces_the_weight_and_runs_inside_a_compiled_graph():
 @needs_kernel
 def test_the_routes_are_timed_on_any_cpu_the_kernel_runs_on():
     # on AVX2-only CPUs oneDNN has no bf16 linear to prepack for: the library's matmul stands in
-    speeds = cpu_linear.bf16_linear_speeds(size=64, weights=2, rounds=1)
+    speeds = bf16_linear.bf16_linear_speeds(size=64, weights=2, rounds=1)
     assert set(speeds) == {"kernel", "native", "float32"}
     assert all(len(t) == 2 and all(s > 0 for s in t) for t in speeds.values())
 

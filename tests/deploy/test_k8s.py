@@ -16,10 +16,11 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from conftest import missing
 
 from tokenfleet.protocol import GROUP, Keys
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 K8S = ROOT / "deploy" / "k8s"
 KEDA_CRDS = Path(__file__).parent / "schemas" / "keda"  # KEDA v2.20 (commit 8b4f083), Apache-2.0
 KUBERNETES_VERSION = "1.31.0"  # the oldest Kubernetes the manifests promise to work on
@@ -35,7 +36,7 @@ REDIS_STREAMS_KEYS = {
 def render(kustomization: Path) -> list[dict[str, Any]]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
-        pytest.skip("kubectl (its built-in kustomize) renders the overlays")
+        missing("kubectl", "kubectl (its built-in kustomize) renders the overlays")
     out = subprocess.run(
         [kubectl, "kustomize", str(kustomization)], capture_output=True, text=True, timeout=60
     )

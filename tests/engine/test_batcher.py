@@ -18,7 +18,7 @@ class FakeClock:
 
 
 def make(
-    mode="dynamic", padding="bucket", max_wait_ms=50, max_batch_size=4, buckets=(8, 16, 32), max_seq_len=64
+    mode="dynamic", mix_buckets=False, max_wait_ms=50, max_batch_size=4, buckets=(8, 16, 32), max_seq_len=64
 ):
     clock = FakeClock()
     cfg = DynamicBatchingConfig(
@@ -26,7 +26,7 @@ def make(
         max_batch_size=max_batch_size,
         max_seq_len=max_seq_len,
         buckets=buckets,
-        padding=padding,
+        mix_buckets=mix_buckets,
         mode=mode,
     )
     return Batcher(cfg, clock), clock
@@ -90,7 +90,6 @@ def test_bucket_padding_never_mixes_buckets():
     first, second = b.next_batch(), b.next_batch()
     assert keys(first) == ["short1", "short2"] and first.buckets == (8,)
     assert keys(second) == ["long1", "long2"] and second.buckets == (32,)
-    assert first.padded_len == 8 and second.padded_len == 30
 
 
 def test_bucket_with_oldest_request_goes_first():
@@ -105,15 +104,25 @@ def test_bucket_with_oldest_request_goes_first():
     assert keys(b.next_batch()) == ["busy1", "busy2"]
 
 
-def test_max_padding_mixes_buckets_and_pads_to_longest():
-    b, clock = make(padding="max", max_batch_size=3)
+def test_mix_buckets_forms_one_batch_from_every_bucket_oldest_first():
+    b, clock = make(mix_buckets=True, max_batch_size=3)
     req(b, clock, "a", 4)
     req(b, clock, "b", 30)
     req(b, clock, "c", 10)
+    req(b, clock, "d", 5)
     batch = b.next_batch()
     assert keys(batch) == ["a", "b", "c"]
     assert batch.buckets == (8, 16, 32)
-    assert batch.padded_len == 30
+    assert batch.prompt_tokens == 44
+
+
+def test_the_old_padding_spelling_still_works_for_one_release():
+    with pytest.warns(FutureWarning, match="--mix-buckets"):
+        assert DynamicBatchingConfig(padding="max").mix_buckets
+    with pytest.warns(FutureWarning, match="--no-mix-buckets"):
+        assert not DynamicBatchingConfig(padding="bucket").mix_buckets
+    with pytest.raises(ValueError, match="contradicts"):
+        DynamicBatchingConfig(padding="bucket", mix_buckets=True)
 
 
 def test_a_prompt_no_bucket_holds_is_a_callers_bug():
@@ -121,17 +130,6 @@ def test_a_prompt_no_bucket_holds_is_a_callers_bug():
     with pytest.raises(ValueError, match="no bucket"):
         b.add(PendingRequest("x", 33, 1, clock()))
     assert len(b) == 0
-
-
-def test_padding_waste_is_reported_per_batch():
-    b, clock = make(max_batch_size=3)
-    req(b, clock, "a", 2)
-    req(b, clock, "b", 8)
-    req(b, clock, "c", 6)
-    batch = b.next_batch()
-    assert batch.real_tokens == 16
-    assert batch.padded_tokens == 3 * 8 - 16
-    assert batch.padding_waste == pytest.approx(8 / 16)
 
 
 def test_take_ignores_the_wait_and_honours_limit():
@@ -171,7 +169,7 @@ def test_remove_drops_matching_requests():
         (dict(buckets=()), "buckets"),
         (dict(buckets=(16, 8)), "buckets"),
         (dict(buckets=(8, 64), max_seq_len=64), "buckets"),
-        (dict(padding="none"), "padding"),
+        (dict(mix_buckets="yes"), "mix_buckets"),
         (dict(mode="eager"), "mode"),
         (dict(max_prefill_tokens=0), "max_prefill_tokens"),
     ],

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
 from tokenfleet.core.interface import TokenOutput
-from tokenfleet.core.scheduler import Scheduler
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.core.vocab import render_chat
+from tokenfleet.engines.native.core import NativeCore
 from tokenfleet.producer import Client
 from tokenfleet.protocol import Keys, Request
 
@@ -45,7 +45,7 @@ def test_greedy_equals_generate_on_smollm2_in_every_mode(runner, reference, mode
     cfg = DynamicBatchingConfig(
         max_wait_ms=0, max_batch_size=2 if mode == "static" else 4, max_seq_len=512, buckets=(128,), mode=mode
     )
-    sched = Scheduler(runner, cfg, clock=lambda: 1e9)
+    sched = NativeCore(runner, cfg, clock=lambda: 1e9)
     seqs = []
     for i, question in enumerate(QUESTIONS):
         ids = chat_ids(runner.tokenizer, question)
@@ -186,7 +186,7 @@ def test_greedy_equals_generate_on_smollm2_with_preemption(smollm2, reference):
     cfg = DynamicBatchingConfig(
         max_wait_ms=0, max_batch_size=4, max_seq_len=256, buckets=(64,), mode="continuous"
     )
-    sched = Scheduler(small, cfg, clock=lambda: 1e9)
+    sched = NativeCore(small, cfg, clock=lambda: 1e9)
     seqs = []
     for i, question in enumerate(QUESTIONS):
         ids = chat_ids(small.tokenizer, question)
@@ -194,7 +194,7 @@ def test_greedy_equals_generate_on_smollm2_with_preemption(smollm2, reference):
         seqs.append(SeqState(f"p{i}", request, ids, small.tokenizer, small.eos_token_ids, time.time()))
     for seq in drain(sched, {0: seqs}):
         assert seq.generated == reference.greedy(seq.prompt_ids, 24, ignore_eos=True), seq.request.id
-    assert sched.preemptions > 0, "the pool was never short: the test proves nothing"
+    assert sched.scheduler.preemptions > 0, "the pool was never short: the test proves nothing"
     sched.check_idle()
 
 

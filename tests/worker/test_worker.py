@@ -3,12 +3,12 @@ exactly one terminal event per request, greedy equivalence, bad input, raw-Redis
 
 import asyncio
 import random
-import shutil
 import subprocess
 import threading
 
 import msgpack
 import pytest
+from conftest import RecordingCore
 
 from tokenfleet import protocol
 from tokenfleet.config import DynamicBatchingConfig
@@ -172,7 +172,7 @@ def test_bad_requests_get_errors_or_dead_letters_and_worker_keeps_serving(
             codes[rid] = info.value.code
         assert after.result(timeout=60).token_ids == reference.greedy(reference.ids("after"), 4)
         assert before.result(timeout=60).token_ids == reference.greedy(reference.ids("before"), 4)
-        assert running.thread.is_alive()
+        running.assert_healthy()
     assert codes == {
         "wrongtype": ErrorCode.INVALID_REQUEST,
         "toolong": ErrorCode.PROMPT_TOO_LONG,
@@ -193,11 +193,9 @@ def test_bad_requests_get_errors_or_dead_letters_and_worker_keeps_serving(
         assert_one_terminal(reply_events(r, prefix, rid))
 
 
-def test_raw_redis_cli_producer_is_served(run_worker, redis_url, prefix, r, reference):
+def test_raw_redis_cli_producer_is_served(run_worker, redis_url, prefix, r, reference, redis_cli):
     """Enqueue exactly as docs/PROTOCOL.md shows, with redis-cli (no tokenfleet code)."""
-    cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
-    if cli is None:
-        pytest.skip("redis-cli is not installed")
+    cli = redis_cli
     with run_worker():
         subprocess.run(
             [
@@ -248,7 +246,7 @@ def test_raw_redis_cli_producer_is_served(run_worker, redis_url, prefix, r, refe
 
 def test_worker_with_nothing_to_do_stops_promptly(run_worker):
     with run_worker() as running:
-        assert running.thread.is_alive()
+        running.assert_healthy()
 
 
 def test_worker_survives_its_streams_being_deleted(run_worker, redis_url, prefix, r, model_path, reference):
@@ -260,7 +258,7 @@ def test_worker_survives_its_streams_being_deleted(run_worker, redis_url, prefix
         threading.Event().wait(0.3)
         res = client.submit("two", max_new_tokens=3).result(timeout=60)
         assert res.token_ids == reference.greedy(reference.ids("two"), 3)
-        assert running.thread.is_alive()
+        running.assert_healthy()
 
 
 def test_reply_key_of_the_wrong_type_does_not_wedge_the_worker(
@@ -273,7 +271,7 @@ def test_reply_key_of_the_wrong_type_does_not_wedge_the_worker(
         client.submit("hi", request_id="squatted", max_new_tokens=3)
         res = client.submit("after", max_new_tokens=3).result(timeout=60)
         assert res.token_ids == reference.greedy(reference.ids("after"), 3)
-        assert running.thread.is_alive()
+        running.assert_healthy()
     assert r.xpending(keys.request_stream(16), GROUP)["pending"] == 0
 
 
@@ -310,13 +308,14 @@ def round_trips_per_decode_step(
         if event.kind == "decode":
             at_decode.append(connection.sends)
 
-    from tokenfleet.core.scheduler import Scheduler
+    from tokenfleet.engines.native.core import NativeCore
 
     batching = config_kw.pop("batching")
     config = dataclasses.replace(
         worker_config(redis_url=redis_url, prefix=prefix, **config_kw), batching=batching
     )
-    worker = Worker(config, core=Scheduler(engine, config.batching), client=counting, on_batch=on_batch)
+    core = RecordingCore(NativeCore(engine, config.batching), on_batch=on_batch)
+    worker = Worker(config, core=core, client=counting)
     worker.setup()
     worker.setup_done = True
     thread = threading.Thread(target=worker.run, daemon=True)
@@ -434,7 +433,7 @@ def test_a_round_trip_lost_during_a_step_loses_no_token(
         client = Client(redis_url, model=str(model_path), prefix=prefix)
         handles = [client.submit(f"prompt {i}", max_new_tokens=24, ignore_eos=True) for i in range(6)]
         results = [h.result(timeout=120) for h in handles]
-        assert running.thread.is_alive()
+        running.assert_healthy()
     assert failures["left"] == 0, "the injected failures were never hit"
     assert any("redis unavailable" in rec.getMessage() for rec in caplog.records)
     for i, (h, res) in enumerate(zip(handles, results)):

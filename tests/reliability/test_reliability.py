@@ -56,19 +56,33 @@ def test_redelivered_request_resumes_from_streamed_tokens(
     assert r.xpending(keys.request_stream(16), GROUP)["pending"] == 0
 
 
-def test_poison_entry_is_dead_lettered_after_max_attempts(run_worker, redis_url, prefix, r, model_path):
+@pytest.mark.parametrize("found", ["claimed from a dead consumer", "in its own pending list at start"])
+def test_an_entry_past_max_attempts_is_dead_lettered_without_being_run(
+    run_worker, redis_url, prefix, r, model_path, found
+):
+    """A poison entry is recognised by its delivery count alone (it is never decoded or run),
+    however the worker comes by it: claimed after another consumer died holding it, or re-read
+    from its own pending list after a restart under the same name. The worker goes on serving."""
     keys = Keys(prefix)
     stream = keys.request_stream(16)
     r.xgroup_create(stream, GROUP, id="0", mkstream=True)
     client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
     handle = client.submit("poison", max_new_tokens=4)
-    ((_, [(entry_id, _)]),) = ghost_takes(r, stream)
-    r.xclaim(stream, GROUP, "ghost", 0, [entry_id], retrycount=5)  # already delivered 5 times
-    with run_worker(LONG, claim_idle_ms=200, max_attempts=3), pytest.raises(RequestFailed) as info:
-        handle.result(timeout=30)
+    if found == "claimed from a dead consumer":
+        ((_, [(entry_id, _)]),) = ghost_takes(r, stream)
+        r.xclaim(stream, GROUP, "ghost", 0, [entry_id], retrycount=5)  # already delivered 5 times
+        worker = run_worker(LONG, claim_idle_ms=200, max_attempts=3)
+    else:
+        for attempt in range(2):  # two workers named "w-fixed" took it and died
+            r.xreadgroup(GROUP, "w-fixed", {stream: "0" if attempt else ">"}, count=10)
+        worker = run_worker(LONG, name="w-fixed", max_attempts=1)
+    with worker:
+        with pytest.raises(RequestFailed) as info:
+            handle.result(timeout=30)
+        assert len(client.submit("after", max_new_tokens=2).result(timeout=60).token_ids) == 2
+        worker.assert_healthy()
     assert info.value.code == ErrorCode.TOO_MANY_ATTEMPTS
-    dead = r.xrange(keys.dead_letter)
-    assert [f[b"code"] for _, f in dead] == [b"too_many_attempts"]
+    assert [f[b"code"] for _, f in r.xrange(keys.dead_letter)] == [b"too_many_attempts"]
     assert r.xpending(stream, GROUP)["pending"] == 0
 
 
@@ -220,15 +234,32 @@ def test_full_queue_refuses_with_queue_full_instead_of_trimming(run_worker, redi
 
 
 def test_streams_are_trimmed_of_acknowledged_entries_only(run_worker, redis_url, prefix, r, model_path):
+    """Trims run while an entry is unacknowledged (a long request still running, with entries
+    acknowledged on both sides of it): the ones before it go, it and those after it stay until it
+    is done; then the stream empties."""
     keys = Keys(prefix)
+    stream = keys.request_stream(16)
+    client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
     with run_worker(LONG, trim_interval_s=0.05):
-        client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
-        for h in [client.submit(f"p{i}", max_new_tokens=2) for i in range(10)]:
+        client.submit("before", max_new_tokens=2).result(timeout=60)
+        long = client.submit("long", max_new_tokens=3000, ignore_eos=True)
+        ((long_entry, _),) = r.xrevrange(stream, count=1)  # the newest entry: nothing else submits
+        for h in [client.submit(f"after {i}", max_new_tokens=2) for i in range(5)]:
             h.result(timeout=60)
-        deadline = time.monotonic() + 10
-        while r.xlen(keys.request_stream(16)) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 30
+        while [e for e, _ in r.xrange(stream)][:1] != [long_entry]:  # "before" trimmed, "long" first
+            assert time.monotonic() < deadline, r.xrange(stream)
+            time.sleep(0.02)
+        assert r.xpending(stream, GROUP)["pending"] == 1, "the long request was not running"
+        for _ in range(10):  # more trims pass with it pending: none removes it or anything after
             time.sleep(0.05)
-        assert r.xlen(keys.request_stream(16)) == 0
+            assert len(r.xrange(stream)) == 6 and r.xrange(stream)[0][0] == long_entry
+        long.cancel()
+        assert long.result(timeout=60).finish_reason == "cancelled"
+        deadline = time.monotonic() + 30
+        while r.xlen(stream):
+            assert time.monotonic() < deadline, r.xrange(stream)
+            time.sleep(0.02)
 
 
 def test_restart_under_the_same_name_resumes_its_own_pending_at_once(

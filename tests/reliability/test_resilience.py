@@ -11,9 +11,9 @@ from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.errors import RequestFailed
 from tokenfleet.producer import Client
 from tokenfleet.protocol import GROUP, Keys
-from tokenfleet.transport.embedded import EmbeddedRedis, find_server_binary
+from tokenfleet.transport.embedded import EmbeddedRedis
 
-pytestmark = pytest.mark.skipif(find_server_binary() is None, reason="needs a redis-server binary")
+pytestmark = pytest.mark.usefixtures("redis_server_binary")
 
 
 def test_redis_restart_under_load_every_request_ends(engine, tmp_path, prefix, reference):
@@ -45,7 +45,7 @@ def test_redis_restart_under_load_every_request_ends(engine, tmp_path, prefix, r
                     )
                 except RequestFailed as e:
                     outcomes.append(("error", e.code))
-            assert running.thread.is_alive()
+            running.assert_healthy()
     finally:
         server.stop()
     # none hangs forever; with an append-only file nothing is lost, so each one completes correctly
@@ -75,9 +75,14 @@ def test_sigterm_finishes_what_is_held_and_leaves_the_rest(redis_url, prefix, r,
         held = [client.submit(f"held {i}", max_new_tokens=150, ignore_eos=True) for i in range(4)]
         next(iter(held[0].stream(timeout=120)))
         worker.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        seen = []  # the worker's log up to the line saying its loop took the stop in: no read after it
+        for line in worker.stdout:
+            seen.append(line)
+            if "stopping: taking no new work" in line:
+                break
         later = [client.submit(f"later {i}", max_new_tokens=5) for i in range(2)]
-        logs, _ = worker.communicate(timeout=120)
+        rest, _ = worker.communicate(timeout=120)
+        logs = "".join(seen) + rest
     finally:
         if worker.poll() is None:
             worker.kill()
