@@ -50,6 +50,16 @@ def pin_bf16_linear_route(dtype: str, device: str = "cpu") -> str | None:
     return route
 
 
+def code_commit() -> str:
+    """The commit the measured code is (``+dirty`` with uncommitted changes), for the record of a
+    figure: benchmarks.md shows which code each row measured."""
+    here = Path(__file__).resolve().parent
+    run = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True, cwd=here)  # noqa: E731
+    rev = run("rev-parse", "--short=7", "HEAD").stdout.strip() or "unknown"
+    dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return rev + ("+dirty" if dirty else "")
+
+
 def host_kind() -> str:
     """What kind of host a figure holds for: the CPU's vendor line, its widest matmul ISA and its
     core count (hosts differ: AVX2-only EPYCs, AVX-512 and AMX Xeons, AVX512-BF16 EPYCs)."""

@@ -51,7 +51,7 @@ import sys
 import time
 from functools import partial
 
-from bench.common import host_kind, model_or_built, pin_bf16_linear_route
+from bench.common import code_commit, host_kind, model_or_built, pin_bf16_linear_route
 from bench.compare_results import agreement, combine_rounds, cpu_name, device_name, scale, write
 from bench.roofline import DECODE_SPEED, SPEEDS, roofline
 from bench.rows_hf import load_hf, run_hf_b1, run_hf_batch, run_hf_cb
@@ -262,6 +262,7 @@ def main() -> None:
     results = combine_rounds(rows, by_round)
     meta = {
         "host": host_kind(),
+        "commit": code_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python -m bench.compare " + shlex.join(sys.argv[1:]),
         "model": model_dir,

@@ -27,7 +27,7 @@ import shlex
 import statistics
 from contextlib import ExitStack
 
-from bench.common import allocator_env, host_kind, model_or_built, worker_process
+from bench.common import allocator_env, code_commit, host_kind, model_or_built, worker_process
 from bench.rows_tokenfleet import drive_clients, pool_blocks
 from bench.workload import make_workload
 from tokenfleet.models import SIZES
@@ -124,6 +124,7 @@ def main() -> None:
         "dtype": args.dtype,
         "flags": flags,
         "host": host_kind(),
+        "commit": code_commit(),
     }
     print(json.dumps(summary))
 
