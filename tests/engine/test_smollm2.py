@@ -202,7 +202,7 @@ def test_the_openai_client_chats_with_smollm2_through_the_gateway(runner, smollm
     """Chat completions through `tokenfleet serve` with the real openai package: the model's chat
     template, its end-of-turn token, the role in the first delta, and the Python client's tokens."""
     from conftest import RunningWorker
-    from test_gateway import Gateway
+    from gateway_process import Gateway
 
     batching = DynamicBatchingConfig(max_wait_ms=5, max_batch_size=4, max_seq_len=512, buckets=(64, 128))
     messages = [{"role": "user", "content": "What is the capital of France?"}]

@@ -113,11 +113,12 @@ def load_or_build() -> Any:
         log.info("loading the CPU kernels (built on this machine before: %s)", built)
         return _import(built)
     build_dir = build_directory()
-    log.info("building the CPU kernels: once per machine, %s", build_estimate())
-    with progress_lines("still building the CPU kernels"), build_lock(build_dir):
+    with build_lock(build_dir):
         if (build_dir / DONE).exists():  # another process built them while we waited
             return _import(build_dir)
-        return _build(build_dir)
+        log.info("building the CPU kernels: once per machine, %s", build_estimate())
+        with progress_lines("still building the CPU kernels"):
+            return _build(build_dir)
 
 
 def find_build() -> Path | None:
@@ -242,7 +243,14 @@ def build_lock(build_dir: Path) -> Iterator[None]:
     every later worker then waited on it forever: holding ours, no live builder can be using
     that file, so a leftover one is removed."""
     with open(build_dir / ".tokenfleet-build.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info(
+                "another process is building the CPU kernels here (%s); waiting for it", build_estimate()
+            )
+            with progress_lines("still waiting for the CPU kernels' build"):
+                fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             (build_dir / "lock").unlink(missing_ok=True)
             yield
@@ -266,5 +274,17 @@ def _register_fake() -> None:
         return x.new_empty(*x.shape[:-1], out_features)
 
     @torch.library.register_fake("tokenfleet::paged_prefill")
-    def _(query, key, value, k_cache, v_cache, write_blocks, write_offsets, starts, scale):
+    def _(
+        query,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        write_blocks,
+        write_offsets,
+        starts,
+        scale,
+        tables=None,
+        cached=None,
+    ):
         return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
