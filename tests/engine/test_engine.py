@@ -250,14 +250,14 @@ def test_prefill_padding_leaves_the_prompts_logits_and_cache_alone(engine, refer
     are those of the same prefill unpadded."""
     prompts = [reference.ids(p) for p in PROMPTS[:3]]
     assert prefill_padded_size(sum(map(len, prompts))) > sum(map(len, prompts))  # padding does happen
-    alloc = BlockAllocator(engine.num_blocks, engine.block_size)
+    alloc = BlockAllocator(engine.num_blocks, engine.block_size, prefix_caching=False)  # all computed here
     keys = [("pad", i) for i in range(len(prompts))]
     results = []
     saved = engine.pad_prefill
     try:
         for pad in (True, False):
             engine.pad_prefill = pad
-            tables = [alloc.allocate(key, len(ids)) for key, ids in zip(keys, prompts)]
+            tables = [alloc.allocate(key, ids).table for key, ids in zip(keys, prompts)]
             try:
                 logits = engine.prefill(tables, prompts).logits
                 slots = [alloc.slot(k, i) for k, ids in zip(keys, prompts) for i in range(len(ids))]
@@ -279,8 +279,8 @@ def test_packed_prefill_of_mixed_lengths_runs_in_one_forward(engine, reference):
     the prompt tokens and at most the padding to the next prefill size, and each prompt's next
     token is generate's."""
     prompts = [reference.ids(p) for p in PROMPTS]
-    alloc = BlockAllocator(engine.num_blocks, engine.block_size)
-    tables = [alloc.allocate(("packed", i), len(ids)) for i, ids in enumerate(prompts)]
+    alloc = BlockAllocator(engine.num_blocks, engine.block_size, prefix_caching=False)  # all computed here
+    tables = [alloc.allocate(("packed", i), ids).table for i, ids in enumerate(prompts)]
     result = engine.prefill(tables, prompts)
     assert result.forwards == 1
     real = sum(len(p) for p in prompts)

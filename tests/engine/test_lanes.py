@@ -3,6 +3,7 @@ continuous mode a full KV pool gives way to a higher lane by preempting a lower 
 
 import json
 import time
+import zlib
 
 import pytest
 from conftest import TEST_DEVICE
@@ -87,11 +88,13 @@ def test_a_steady_interactive_stream_still_lets_the_batch_lane_through():
     assert "batch" in served and len(served) <= 22  # within promote_after_s of arriving
 
 
-def seq(key, lane, prompt_len, allocator=None, tokens=None):
-    request = Request(id=key, input_ids=(1,) * prompt_len, priority=("interactive", "batch")[lane])
-    s = SeqState(key, request, [1] * prompt_len, None, frozenset(), time.time())
+def seq(key, lane, prompt_len, allocator=None):
+    """A sequence of tokens of its own (no prefix shared with another: each holds its blocks)."""
+    ids = [1000 * (1 + zlib.crc32(key.encode()) % 1000) + i for i in range(prompt_len)]
+    request = Request(id=key, input_ids=tuple(ids), priority=("interactive", "batch")[lane])
+    s = SeqState(key, request, ids, None, frozenset(), time.time())
     if allocator is not None:
-        assert allocator.allocate(key, tokens or prompt_len) is not None
+        assert allocator.allocate(key, ids) is not None
     return s
 
 
@@ -145,7 +148,7 @@ def test_full_pool_preempts_the_batch_lane_for_interactive_and_output_still_matc
     for _ in range(40):  # the batch lane grows until the pool has no room left for the newcomer
         sched.step()
         clock.now += 0.01
-        if not alloc.can_allocate(len(urgent.all_tokens) + 1, reserve_blocks=len(sched.running())):
+        if not alloc.can_allocate(urgent.all_tokens, reserve_blocks=len(sched.running())):
             break
     assert len(sched.running()) == 3 and not any(s.finished for s in batch)
     assert sched.add(urgent, clock()) is None

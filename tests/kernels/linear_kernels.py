@@ -27,15 +27,16 @@ def greedy_steps(engine: Any, prompts: list[list[int]], decode_steps: int) -> tu
     (the tokens each step chose, the logits of the prefill and of each decode step)."""
     from tokenfleet.kvcache.allocator import BlockAllocator
 
-    alloc = BlockAllocator(engine.num_blocks, engine.block_size)
+    alloc = BlockAllocator(engine.num_blocks, engine.block_size, prefix_caching=False)  # all computed here
     ids = list(range(len(prompts)))
-    step = engine.prefill([alloc.allocate(seq, len(p)) for seq, p in zip(ids, prompts)], prompts).logits
+    tables = [alloc.allocate(seq, p).table for seq, p in zip(ids, prompts)]
+    step = engine.prefill(tables, prompts).logits
     tokens, logits = [], [step]
     for _ in range(decode_steps):
         chosen = step.argmax(-1).tolist()
         tokens.append(chosen)
-        for seq in ids:
-            alloc.append_slot(seq)
+        for seq, token in zip(ids, chosen):
+            alloc.append_slot(seq, token)
         step = engine.decode([alloc.block_table(s) for s in ids], [alloc.num_tokens(s) for s in ids], chosen)
         logits.append(step)
     return tokens, logits

@@ -76,6 +76,55 @@ def test_prefill_operator_equals_sdpa_per_prompt(lengths, heads, kv_heads, head_
 
 
 @pytest.mark.parametrize(
+    "prompts, heads, kv_heads, head_dim, dtype",
+    [  # (tokens the pool holds already, tokens computed now) per prompt
+        ([(16, 5), (0, 9), (48, 1), (32, 40)], 4, 2, 64, torch.float32),
+        ([(128, 3), (64, 64), (16, 300)], 12, 12, 64, torch.bfloat16),
+        ([(32, 33), (96, 31), (0, 65)], 8, 2, 64, torch.bfloat16),  # the AMX tiles' edges
+        ([(16, 7), (48, 2)], 4, 1, 80, torch.float32),
+    ],
+)
+@pytest.mark.parametrize("tiles", [True, False])
+def test_prefill_after_a_cached_prefix_equals_sdpa_over_the_whole_prompt(
+    prompts, heads, kv_heads, head_dim, dtype, tiles
+):
+    """Prompts whose first tokens' K/V are in the pool already (a cached prefix, read through each
+    prompt's block table) and whose other tokens are packed: each packed query attends to the
+    cached keys and to its own prompt's earlier packed ones, as SDPA over the whole prompt does."""
+    totals = [c + n for c, n in prompts]
+    q, k, v, k_pool, v_pool, blocks, offsets = packed_prompts(totals, heads, kv_heads, head_dim, dtype)
+    starts = torch.cumsum(torch.tensor([0, *totals]), 0)
+    cached_rows = torch.cat([torch.arange(int(s), int(s) + c) for s, (c, _) in zip(starts, prompts)])
+    tail_rows = torch.cat([torch.arange(int(s) + c, int(s) + c + n) for s, (c, n) in zip(starts, prompts)])
+    for pool, x in ((k_pool, k), (v_pool, v)):  # the cached tokens' K/V, where an earlier step wrote them
+        pool[blocks[cached_rows], offsets[cached_rows]] = x[0].transpose(0, 1)[cached_rows]
+    per_prompt = [sorted({int(b) for b in blocks[int(s) : int(s) + t]}) for s, t in zip(starts, totals)]
+    width = max(map(len, per_prompt))
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in per_prompt])
+    tail_starts = torch.cumsum(torch.tensor([0, *(n for _, n in prompts)]), 0)
+    before = torch.ops.tokenfleet.prefill_tiles(tiles)
+    try:
+        out = torch.ops.tokenfleet.paged_prefill(
+            *(t[:, :, tail_rows] for t in (q, k, v)),
+            k_pool,
+            v_pool,
+            blocks[tail_rows],
+            offsets[tail_rows],
+            tail_starts,
+            head_dim**-0.5,
+            tables,
+            torch.tensor([c for c, _ in prompts]),
+        )
+    finally:
+        torch.ops.tokenfleet.prefill_tiles(before)
+    for b, (cached, _) in enumerate(prompts):
+        whole = causal_reference(q, k, v, slice(int(starts[b]), int(starts[b + 1]))).transpose(1, 2)
+        got = out[:, int(tail_starts[b]) : int(tail_starts[b + 1])]
+        assert_close(got, whole[:, cached:], dtype)
+    assert torch.equal(k_pool[blocks, offsets], k[0].transpose(0, 1))  # the tails written, the rest kept
+
+
+@pytest.mark.parametrize(
     "lengths, heads, kv_heads, head_dim, dtype, block",
     [
         ([9, 1, 40], 4, 2, 64, torch.float32, BLOCK),

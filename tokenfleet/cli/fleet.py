@@ -25,8 +25,9 @@ from tokenfleet.protocol import LANES
 @prefix_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(redis_url: str | None, prefix: str | None, as_json: bool) -> None:
-    """Show the fleet from Redis alone: live workers (buckets, device, running, throughput) and
-    per-bucket queue depth, pending, oldest waiting age, dead letters."""
+    """Show the fleet from Redis alone: live workers (buckets, device, running, throughput, KV use,
+    prefix-cache hit rate: prompt tokens found cached) and per-bucket queue depth, pending, oldest
+    waiting age, dead letters."""
     from tokenfleet.protocol import Keys
     from tokenfleet.transport.connection import connect_client
     from tokenfleet.transport.status import fleet_status
@@ -41,16 +42,18 @@ def format_status(status: dict[str, Any]) -> str:
     lines = [f"fleet {status['prefix']!r}: {sum(w['alive'] for w in status['workers'])} live worker(s)", ""]
     lines.append(
         f"{'worker':<28} {'state':<6} {'buckets':<16} {'engine':<7} {'device':<8} "
-        f"{'running':>7} {'waiting':>7} {'tok/s':>8} {'done':>7} {'KV used':>11}"
+        f"{'running':>7} {'waiting':>7} {'tok/s':>8} {'done':>7} {'KV used':>11} {'prefix hits':>11}"
     )
     for w in status["workers"]:
         kv = f"{w.get('kv_blocks_used', 0)}/{w.get('kv_blocks_total', 0)}"
+        queries = w.get("prefix_cache_queries", 0)
+        hits = f"{w.get('prefix_cache_hits', 0) / queries:.0%}" if queries else "-"
         served = ",".join(map(str, w.get("buckets", [])))
         lines.append(
             f"{w['name'][:28]:<28} {'alive' if w['alive'] else 'stale':<6} {served:<16} "
             f"{w.get('engine', 'native'):<7} {w.get('device', '?'):<8} "
             f"{w.get('running', 0):>7} {w.get('waiting', 0):>7} "
-            f"{w.get('tokens_per_s', 0):>8} {w.get('finished', 0):>7} {kv:>11}"
+            f"{w.get('tokens_per_s', 0):>8} {w.get('finished', 0):>7} {kv:>11} {hits:>11}"
         )
     lines += ["", f"{'bucket':<8} {'lane':<12} {'depth':>7} {'pending':>8} {'oldest waiting':>15}"]
     for name, q in status["queues"].items():

@@ -113,12 +113,19 @@ class KVCacheConfig:
     """Size of the paged KV pool: an explicit block count, or a memory budget in bytes."""
 
     block_size: int = setting(16, "Tokens per KV block.")
+    prefix_caching: bool = setting(
+        True,
+        "Keep the KV blocks of prompts (and outputs) seen before and reuse them for prompts that begin "
+        "with the same tokens (a chat's system prompt and history, a RAG context): their prefill "
+        "computes only the rest. Cached blocks are evicted least recently used, only when needed.",
+    )
     num_blocks: int | None = setting(
         None, "KV pool size in blocks (overrides --kv-cache-memory).", kind="int"
     )
     memory_bytes: int | None = setting(
         None,
-        "KV pool budget, e.g. 2GiB (default: as large as the weights).",
+        "KV pool budget, e.g. 2GiB (default on the CPU: 4GiB, at most a quarter of the memory free at "
+        "start-up and at least the weights' size; on a GPU: the weights' size).",
         kind="size",
         flag="kv_cache_memory",
     )

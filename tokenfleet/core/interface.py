@@ -91,6 +91,12 @@ class Capacity:
     running: int
     waiting: int
     kv_bytes_per_block: int = 0  # 0: not known (the backend does not say)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # ... of which it held the K/V
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     @property
     def kv_blocks_free(self) -> int:

@@ -22,19 +22,20 @@ def victims_for(
     alloc: BlockAllocator, running: list[SeqState], seq: SeqState, admitted_now: int
 ) -> list[SeqState]:
     """The lower-lane sequences whose preemption makes room for ``seq`` (lowest lane and youngest
-    first), or none when even all of them would not: never preempt for nothing."""
-    tokens = len(seq.all_tokens) + 1
+    first), or none when even all of them would not: never preempt for nothing. A victim frees
+    only the blocks no other sequence shares."""
+    needed = alloc.blocks_to_take(seq.all_tokens, extra_tokens=1)
     lower = [s for s in running if s.request.lane > seq.request.lane]
     reserve = len(running) + admitted_now
     chosen: list[SeqState] = []
     free = alloc.num_free_blocks
-    while not free >= alloc.blocks_needed(tokens) + reserve - len(chosen):
+    while not free >= needed + reserve - len(chosen):
         victim = pick_victim(lower)
         if victim is None:
             return []
         lower.remove(victim)
         chosen.append(victim)
-        free += len(alloc.block_table(victim.key))
+        free += alloc.blocks_freed_by(victim.key)
     return chosen
 
 

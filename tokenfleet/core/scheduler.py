@@ -24,18 +24,24 @@ from tokenfleet.kvcache.allocator import BlockAllocator
 
 log = logging.getLogger(__name__)
 
+Joiner = tuple[SeqState, int]  # a sequence about to prefill, and the tokens the cache holds for it
+
 
 @dataclass(frozen=True)
 class PrefillBatch:
     """Sequences whose tokens go through the model for the first time (or again, resumed): each
-    one's block table (enough blocks for every token) and its tokens."""
+    one's block table (enough blocks for every token), how many of its first tokens the cache
+    holds already (``cached``: whole blocks, shared with other sequences) and the tokens after
+    them, which the prefill computes."""
 
     seqs: list[SeqState]
     tables: list[list[int]]
     token_lists: list[list[int]]
+    cached: list[int]
 
     @property
     def prompt_tokens(self) -> int:
+        """Tokens the prefill computes (cached ones excluded)."""
         return sum(len(t) for t in self.token_lists)
 
 
@@ -101,39 +107,48 @@ class Scheduler:
         joiners = self._joiners(self.config.max_batch_size, preempted, dispatch=not flush)
         return Scheduled(self._prefill_batch(joiners) if joiners else None, preempted)
 
-    def _joiners(self, slots: int, preempted: list[SeqState], dispatch: bool = False) -> list[SeqState]:
-        """Sequences to prefill now, their blocks allocated. Preempted ones resume before anything
-        new; new ones are dispatched by the batching rule when the worker is idle, or taken at once
-        to join a running batch (continuous). Those the pool cannot hold yet go back to the queue."""
+    def _joiners(self, slots: int, preempted: list[SeqState], dispatch: bool = False) -> list[Joiner]:
+        """Sequences to prefill now, their blocks allocated, with the tokens the cache holds for
+        each. Preempted ones resume before anything new; new ones are dispatched by the batching
+        rule when the worker is idle, or taken at once to join a running batch (continuous).
+        Those the pool cannot hold yet go back to the queue."""
         if slots <= 0:
             return []
-        chosen: list[SeqState] = []
+        chosen: list[Joiner] = []
+        budget = self._prefill_budget()
         if self.preempted and self._resumes_first():
-            budget = self._prefill_budget()
             while self.preempted and len(chosen) < slots:
                 head = self.preempted[0]
-                tokens = len(head.all_tokens)
-                if (chosen and tokens > budget) or not self._allocate(head, len(chosen), preempted):
+                tokens = self._to_compute(head)
+                if chosen and tokens > budget:
                     break
-                chosen.append(self.preempted.popleft())
+                cached = self._allocate(head, len(chosen), preempted)
+                if cached is None:
+                    break
+                chosen.append((self.preempted.popleft(), cached))
                 budget -= tokens
             return self._started(chosen)
         batch = self.batcher.next_batch(slots) if dispatch else self.batcher.take(slots)
         if batch is None:
             return []
         unplaced: list[PendingRequest] = []
-        budget = self._prefill_budget()
         for item in batch.items:
-            tokens = len(item.payload.all_tokens)
+            tokens = self._to_compute(item.payload)
             fits = not chosen or tokens <= budget
-            if not unplaced and fits and self._allocate(item.payload, len(chosen), preempted):
-                chosen.append(item.payload)
-                budget -= tokens
-            else:
+            cached = self._allocate(item.payload, len(chosen), preempted) if not unplaced and fits else None
+            if cached is None:
                 unplaced.append(item)
+                continue
+            chosen.append((item.payload, cached))
+            budget -= tokens
         if unplaced:
             self.batcher.requeue(unplaced)
         return self._started(chosen)
+
+    def _to_compute(self, seq: SeqState) -> int:
+        """Tokens a prefill of ``seq`` would compute now: those the cache does not hold."""
+        tokens = seq.all_tokens
+        return len(tokens) - len(self.allocator.cached_prefix(tokens)) * self.allocator.block_size
 
     def _resumes_first(self) -> bool:
         """Whether the first preempted sequence goes before every new request (its lane ranks
@@ -149,34 +164,40 @@ class Scheduler:
             return self.config.max_prefill_tokens
         return float("inf")
 
-    def _allocate(self, seq: SeqState, admitted_now: int, preempted: list[SeqState]) -> bool:
-        """Give ``seq`` blocks for all its tokens if that leaves one block in reserve per running
-        sequence (so decode can grow before anyone is preempted). In continuous mode, when the
-        pool is full, running sequences of lower lanes are preempted for it if that makes room."""
+    def _allocate(self, seq: SeqState, admitted_now: int, preempted: list[SeqState]) -> int | None:
+        """Give ``seq`` blocks for all its tokens (the cached blocks it begins with, shared, and new
+        ones) if that leaves one block in reserve per running sequence (so decode can grow before
+        anyone is preempted); returns how many of its tokens the cache holds, None: no room. In
+        continuous mode, when the pool is full, running sequences of lower lanes are preempted
+        for it if that makes room."""
         alloc = self.allocator
-        tokens = len(seq.all_tokens)
-        if not alloc.can_allocate(tokens + 1, reserve_blocks=len(self.running) + admitted_now):
+        tokens = seq.all_tokens
+        if not alloc.can_allocate(tokens, reserve_blocks=len(self.running) + admitted_now):
             if self.config.mode != "continuous":
-                return False
+                return None
             victims = victims_for(alloc, self.running, seq, admitted_now)
             if not victims:
-                return False
+                return None
             for victim in victims:
                 preempted.append(self._preempt(victim, "for a request of a higher lane"))
-        return alloc.allocate(seq.key, tokens) is not None
+        allocation = alloc.allocate(seq.key, tokens)
+        return None if allocation is None else allocation.cached_tokens
 
-    def _started(self, seqs: list[SeqState]) -> list[SeqState]:
-        for seq in seqs:
+    def _started(self, chosen: list[Joiner]) -> list[Joiner]:
+        for seq, cached in chosen:
             if seq.started is None:
                 seq.started = time.time()
-                seq.batch_size = len(seqs) + len(self.running)
-        return seqs
+                seq.batch_size = len(chosen) + len(self.running)
+                seq.cached_tokens = cached
+        return chosen
 
-    def _prefill_batch(self, seqs: list[SeqState]) -> PrefillBatch:
+    def _prefill_batch(self, chosen: list[Joiner]) -> PrefillBatch:
         self._prefilled_last_step = True
+        seqs = [seq for seq, _ in chosen]
         self.running.extend(seqs)
         tables = [self.allocator.block_table(s.key) for s in seqs]
-        return PrefillBatch(seqs, tables, [s.all_tokens for s in seqs])
+        tails = [seq.all_tokens[cached:] for seq, cached in chosen]
+        return PrefillBatch(seqs, tables, tails, [cached for _, cached in chosen])
 
     def _decode_batch(self, preempted: list[SeqState]) -> DecodeBatch | None:
         self._prefilled_last_step = False
@@ -198,7 +219,8 @@ class Scheduler:
         alloc = self.allocator
         i = 0
         while i < len(self.running):
-            if alloc.append_slot(self.running[i].key) is not None:
+            seq = self.running[i]
+            if alloc.append_slot(seq.key, seq.generated[-1]) is not None:
                 i += 1
                 continue
             victim = pick_victim(self.running)

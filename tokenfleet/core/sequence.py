@@ -67,6 +67,7 @@ class SeqState:
     decode_steps: int = 0
     batch_size_sum: int = 0
     preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache held when it first started
     resumed_tokens: int = 0  # tokens already streamed by an earlier attempt, not re-sent
     unsent_ids: list[int] = field(default_factory=list)  # made but not yet published (coalescing)
     unsent_text: str = ""

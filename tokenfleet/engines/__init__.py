@@ -74,4 +74,4 @@ def build_core(config: WorkerConfig) -> EngineCore:
     warmed = runner.warm_up()
     if warmed:
         log.info("engine warmed up (compiled / captured) in %.1f s", warmed)
-    return NativeCore(runner, config.batching)
+    return NativeCore(runner, config.batching, prefix_caching=config.kv.prefix_caching)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import mmap
 import sys
 
 import torch
@@ -59,14 +60,24 @@ class PagedKVStore:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self._maps: list[mmap.mmap] = []  # the CPU pool's memory, kept alive with the tensors
         self.k = [self._allocate(shape, device, dtype) for _ in range(num_layers)]
         self.v = [self._allocate(shape, device, dtype) for _ in range(num_layers)]
 
-    @staticmethod
-    def _allocate(shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.empty(shape, device=device, dtype=dtype)
-        advise_huge_pages(tensor)  # before the zeros touch it: pages are chosen at first write
-        return tensor.zero_()
+    def _allocate(
+        self, shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Zeros. On the CPU from an anonymous mapping, which the kernel fills with zeros as each
+        page is first written: a pool sized for a long cache costs memory only as it fills,
+        whatever malloc the process runs on."""
+        if torch.device(device).type != "cpu":
+            return torch.zeros(shape, device=device, dtype=dtype)
+        nbytes = max(1, int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size())
+        memory = mmap.mmap(-1, nbytes)
+        self._maps.append(memory)
+        tensor = torch.frombuffer(memory, dtype=dtype).view(shape)
+        advise_huge_pages(tensor)  # before the first write: pages are chosen then
+        return tensor
 
     @staticmethod
     def bytes_per_block(

@@ -128,9 +128,10 @@ class Worker:
                 self.admitter.take(incoming)
         b = self.config.batching
         log.info(
-            "worker %s serving buckets %s (mode %s, max_batch_size %d, max_wait_ms %g)",
+            "worker %s serving buckets %s, max_seq_len %d (mode %s, max_batch_size %d, max_wait_ms %g)",
             self.name,
             ",".join(map(str, b.buckets)),
+            b.max_seq_len,
             b.mode,
             b.max_batch_size,
             b.max_wait_ms,

@@ -49,6 +49,13 @@ class WorkerMetrics:
         self.prompt_tokens = counter("tokenfleet_prompt_tokens", "Prompt tokens prefilled.").labels(**mine)
         self.preemptions = counter("tokenfleet_preemptions", "Sequences preempted for KV room.")
         self.preemptions = self.preemptions.labels(**mine)
+        self.prefix_cache_queries = counter(
+            "tokenfleet_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        ).labels(**mine)
+        self.prefix_cache_hits = counter(
+            "tokenfleet_prefix_cache_hits", "Prompt tokens whose K/V the prefix cache held."
+        ).labels(**mine)
+        self._prefix_seen = (0, 0)  # the core's cumulative counts, last seen
         self.reclaims = counter("tokenfleet_reclaims", "Requests taken over from dead workers.")
         self.reclaims = self.reclaims.labels(**mine)
         lane = ("lane",)
@@ -133,6 +140,16 @@ class WorkerMetrics:
         self.kv_blocks_used.set(kv_used)
         self.kv_blocks_total.set(kv_total)
         self.vllm.state(running, sum(waiting.values()), kv_used / kv_total if kv_total else 0.0)
+
+    def prefix_cache(self, queries: int, hits: int) -> None:
+        """The core's cumulative prefix-cache counts (tokens); counters move by what is new."""
+        seen_queries, seen_hits = self._prefix_seen
+        if queries > seen_queries or hits > seen_hits:
+            new_queries, new_hits = max(0, queries - seen_queries), max(0, hits - seen_hits)
+            self.prefix_cache_queries.inc(new_queries)
+            self.prefix_cache_hits.inc(new_hits)
+            self.vllm.prefix_cache(new_queries, new_hits)
+            self._prefix_seen = (queries, hits)
 
     def wait_in_force(self, lane: str, wait_ms: float) -> None:
         self.batch_wait.labels(worker=self._worker, lane=lane).set(wait_ms)

@@ -107,6 +107,8 @@ class Upkeep:
                 "kv_blocks_total": cap.kv_blocks_total,
                 "finished": self.publisher.requests_finished,
                 "tokens_per_s": round(rate, 1),
+                "prefix_cache_queries": cap.prefix_cache_queries,
+                "prefix_cache_hits": cap.prefix_cache_hits,
             }
         )
 
@@ -116,6 +118,7 @@ class Upkeep:
             self._kv_peak = cap
         waiting = {lane: self.core.waiting_in(rank) for rank, lane in enumerate(LANES)}
         self.metrics.state(cap.running, waiting, cap.kv_blocks_used, cap.kv_blocks_total)
+        self.metrics.prefix_cache(cap.prefix_cache_queries, cap.prefix_cache_hits)
 
     def _log_memory(self) -> None:
         """How full the KV pool got, next to what a contiguous cache preallocated for

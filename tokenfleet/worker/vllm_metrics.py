@@ -52,6 +52,12 @@ class VllmMetrics:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative preemptions.")
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
         self._success = Counter(
             "vllm:request_success",
             "Finished requests, by finish reason.",
@@ -68,6 +74,10 @@ class VllmMetrics:
         if e2e_s is not None:
             self.e2e.observe(e2e_s)
         self._success.labels(finished_reason=FINISHED_REASONS.get(reason, reason), **self._labels).inc()
+
+    def prefix_cache(self, queries: int, hits: int) -> None:
+        self.prefix_cache_queries.inc(queries)
+        self.prefix_cache_hits.inc(hits)
 
     def state(self, running: int, waiting: int, kv_usage: float) -> None:
         self.running.set(running)

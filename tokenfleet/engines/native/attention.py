@@ -41,7 +41,10 @@ class StepMetadata:
     similar lengths into padded rows (``groups``) to run under their part of ``mask``
     ``[B, 1, L, L]``, then packs the result back; or, with ``use_kernel``, the C++ operator
     ``tokenfleet::paged_prefill`` attends on the packed tokens themselves (prompt ``b`` is tokens
-    ``starts[b] .. starts[b + 1]``) and does the write. Decode attends to each sequence's
+    ``starts[b] .. starts[b + 1]``) and does the write. Where prompts begin with a cached prefix,
+    prefill also has ``block_tables`` and ``cached`` (the kernel reads those tokens' K/V from the
+    pool) and ``context`` (the same on the host, for the SDPA route's prompt-by-prompt path).
+    Decode attends to each sequence's
     ``lengths`` keys found through ``block_tables`` ``[B, max_blocks]``: read in place by the C++
     operator ``tokenfleet::paged_decode`` (``use_kernel``) or the Triton kernel (``use_triton``),
     or gathered and masked by ``mask`` ``[B, 1, 1, max_blocks * block_size]``.
@@ -59,6 +62,8 @@ class StepMetadata:
     groups: PrefillGroups | None = None
     use_kernel: bool = False
     use_triton: bool = False
+    cached: torch.Tensor | None = None  # prefill: tokens each prompt has in the pool (C++ kernel)
+    context: tuple[list[int], list[int]] | None = None  # prefill with a cached prefix: cached, lengths
 
 
 @torch.library.custom_op("tokenfleet::paged_attention", mutates_args=("k_cache", "v_cache"))
@@ -76,6 +81,9 @@ def paged_attention_op(
     group_index: torch.Tensor | None,
     group_shape: list[int],
     triton: bool,
+    context_tables: torch.Tensor | None = None,
+    context_cached: list[int] | None = None,
+    context_lengths: list[int] | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into one layer of the pool, attend, return ``[B, T, heads, head_dim]``.
 
@@ -83,6 +91,11 @@ def paged_attention_op(
     batch, kv_heads, steps, head_dim = key.shape
     write_slots(k_cache, v_cache, key, value, slots)
     gqa = kv_heads != query.shape[1]
+    if context_tables is not None:  # prefill after cached prefixes: keys read from the pool
+        assert context_cached is not None and context_lengths is not None
+        return context_prefill_attention(
+            query, k_cache, v_cache, context_tables, context_cached, context_lengths, scale, gqa
+        )
     if block_tables is None:  # prefill, packed: the step's own keys, one row per prompt
         assert mask is not None and group_index is not None, "a packed prefill without the kernel"
         return packed_prefill_attention(query, key, value, mask, scale, gqa, group_index, group_shape)
@@ -105,6 +118,39 @@ def write_slots(
     for cache, new in ((k_cache, key), (v_cache, value)):
         rows = new.transpose(1, 2).reshape(batch * steps, kv_heads, head_dim)
         cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, rows)
+
+
+def context_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    cached: list[int],
+    lengths: list[int],
+    scale: float,
+    gqa: bool,
+) -> torch.Tensor:
+    """Attention of packed prompts (``[1, heads, N, head_dim]``) whose K/V are all in the pool
+    already (this step's just written, ``cached[b]`` before them): prompt by prompt, its keys
+    gathered through its table, its query ``i`` (position ``cached[b] + i``) seeing keys up to its
+    own. Returns ``[1, N, heads, head_dim]``. The SDPA route's counterpart of the C++ kernel."""
+    _, heads, total, head_dim = query.shape
+    out = query.new_empty(total, heads, head_dim)
+    start = 0
+    for row, (before, length) in enumerate(zip(cached, lengths)):
+        if length == 0:
+            continue
+        keys, values = PagedKVStore.gather(k_cache, v_cache, tables[row : row + 1])
+        known = before + length
+        q = query[:, :, start : start + length]
+        position = torch.arange(before, known, device=query.device)
+        mask = torch.arange(known, device=query.device)[None, :] <= position[:, None]  # [length, known]
+        o = F.scaled_dot_product_attention(
+            q, keys[:, :, :known], values[:, :, :known], attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+        out[start : start + length] = o[0].transpose(0, 1)
+        start += length
+    return out[None]
 
 
 # Prompts in one attention call are padded to the longest; a shorter one joins a group while it is
@@ -192,10 +238,12 @@ def paged_attention(
     if meta.use_kernel:  # the C++ operators: write and attend, no Python
         step = (query, key, value, *cache, meta.write_blocks, meta.write_offsets)
         if meta.is_prefill:
-            return torch.ops.tokenfleet.paged_prefill(*step, meta.starts, float(scale)), None
+            extra = (meta.block_tables, meta.cached) if meta.cached is not None else ()
+            return torch.ops.tokenfleet.paged_prefill(*step, meta.starts, float(scale), *extra), None
         return torch.ops.tokenfleet.paged_decode(*step, meta.block_tables, meta.lengths, float(scale)), None
     groups = meta.groups
     assert meta.slots is not None, "the torch and Triton routes write by slot"
+    context = meta.context if meta.is_prefill else None
     out = paged_attention_op(
         query,
         key,
@@ -209,6 +257,9 @@ def paged_attention(
         None if groups is None else groups.index,
         [] if groups is None else groups.shape,
         meta.use_triton,
+        meta.block_tables if context is not None else None,
+        None if context is None else context[0],
+        None if context is None else context[1],
     )
     return out, None
 

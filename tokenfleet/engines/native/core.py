@@ -41,7 +41,9 @@ class Runner(Protocol):
 
     def facts(self) -> ModelFacts: ...
 
-    def prefill(self, tables: list[list[int]], token_lists: list[list[int]]) -> PrefillResult: ...
+    def prefill(
+        self, tables: list[list[int]], token_lists: list[list[int]], cached: list[int]
+    ) -> PrefillResult: ...
 
     def decode(self, tables: list[list[int]], lengths: list[int], last_tokens: list[int]) -> Any: ...
 
@@ -54,7 +56,11 @@ class NativeCore(CoreFront):
     backend = "native"
 
     def __init__(
-        self, runner: Runner, batching: DynamicBatchingConfig, clock: Callable[[], float] = time.monotonic
+        self,
+        runner: Runner,
+        batching: DynamicBatchingConfig,
+        clock: Callable[[], float] = time.monotonic,
+        prefix_caching: bool = True,
     ):
         facts = runner.facts()
         limits = Limits(
@@ -67,7 +73,7 @@ class NativeCore(CoreFront):
         )
         super().__init__(facts, limits, batching, clock)
         self.runner = runner
-        self.allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+        self.allocator = BlockAllocator(runner.num_blocks, runner.block_size, prefix_caching)
         self.scheduler = Scheduler(self.allocator, self.batcher, batching)
 
     # -- what it holds --------------------------------------------------------------------------
@@ -100,6 +106,8 @@ class NativeCore(CoreFront):
             running=len(self.scheduler.running),
             waiting=self.num_waiting,
             kv_bytes_per_block=self.runner.bytes_per_block,
+            prefix_cache_queries=self.allocator.queries,
+            prefix_cache_hits=self.allocator.hits,
         )
 
     def check_idle(self) -> None:
@@ -117,15 +125,20 @@ class NativeCore(CoreFront):
         requests without waiting for their batch to be due (shutdown)."""
         scheduled = self.scheduler.schedule(flush)
         batch = scheduled.batch
-        match batch:
-            case None:
-                return StepOutput(preempted=scheduled.preempted)
-            case PrefillBatch():
-                result = self.runner.prefill(batch.tables, batch.token_lists)
-                logits, event = result.logits, prefill_event(batch, result)
-            case DecodeBatch():
-                logits = self.runner.decode(batch.tables, batch.lengths, batch.last_tokens)
-                event = BatchEvent("decode", len(batch.seqs))
+        try:
+            match batch:
+                case None:
+                    return StepOutput(preempted=scheduled.preempted)
+                case PrefillBatch():
+                    result = self.runner.prefill(batch.tables, batch.token_lists, batch.cached)
+                    logits, event = result.logits, prefill_event(batch, result)
+                case DecodeBatch():
+                    logits = self.runner.decode(batch.tables, batch.lengths, batch.last_tokens)
+                    event = BatchEvent("decode", len(batch.seqs))
+        except BaseException:
+            self.allocator.forget_unconfirmed()  # blocks this step was to fill hold no K/V
+            raise
+        self.allocator.confirm()
         advanced = self.scheduler.postprocess(batch, self.runner.choose_tokens(logits, batch.seqs))
         return StepOutput(advanced.tokens, scheduled.preempted, advanced.failed, [event])
 

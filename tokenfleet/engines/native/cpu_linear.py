@@ -19,7 +19,6 @@ not much slower at prefill rows. docs/PERFORMANCE.md has the measurements behind
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 
 import torch
@@ -28,6 +27,7 @@ from torch import nn
 from tokenfleet.engines.native.bf16_linear import KernelLinear, bf16_kernel_available, bf16_linear_speeds
 from tokenfleet.engines.native.device import BF16_SLOWER_HINT, bf16_matmul_speed
 from tokenfleet.engines.native.f32_linear import F32KernelLinear, f32_kernel_wanted
+from tokenfleet.engines.native.kv_sizing import available_memory_bytes
 from tokenfleet.engines.native.onednn_linear import DECODE_ROWS_HINT, PackedLinear
 
 BF16_ROUTES = ("auto", "kernel", "float32", "native")
@@ -89,13 +89,6 @@ def linear_route(
     if dtype == torch.float32 and f32_route == "native":
         return "native"
     return "float32" if onednn_linears_wanted(device, dtype, model, bf16_route, onednn) else "native"
-
-
-def available_memory_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not a POSIX system that reports it
-        return None
 
 
 def onednn_linears_wanted(

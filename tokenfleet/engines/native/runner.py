@@ -26,6 +26,7 @@ from tokenfleet.engines.native.cpu_linear import linear_route, pack_for_route
 from tokenfleet.engines.native.cuda_graphs import DecodeGraphs
 from tokenfleet.engines.native.decoder import lean_decoder
 from tokenfleet.engines.native.device import select_device, select_dtype
+from tokenfleet.engines.native.kv_sizing import pool_blocks
 from tokenfleet.engines.native.sampling import choose_tokens
 from tokenfleet.engines.native.shapes import decode_buckets, prefill_padded_size
 from tokenfleet.engines.native.step_inputs import Uploader, decode_step, prefill_step
@@ -33,7 +34,6 @@ from tokenfleet.kvcache.store import PagedKVStore
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_FRACTION_OF_WEIGHTS = 1.0  # with no budget given, a pool as large as the weights (min 64 blocks)
 # Prefill packs whole prompts into forwards of at most this many tokens (activation memory bound).
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192
 
@@ -81,7 +81,10 @@ class ModelRunner:
         self.bytes_per_block = PagedKVStore.bytes_per_block(
             self.num_layers, self.num_kv_heads, self.head_dim, kv.block_size, self.dtype
         )
-        num_blocks = kv.num_blocks or self._blocks_for_budget(kv.memory_bytes)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        num_blocks = kv.num_blocks or pool_blocks(
+            self.bytes_per_block, kv.memory_bytes, weights, self.device.type
+        )
         # one block more than the allocator hands out: the scratch block padding tokens write to
         self.scratch_block = num_blocks
         self.store = PagedKVStore(
@@ -154,29 +157,26 @@ class ModelRunner:
     def choose_tokens(self, logits: torch.Tensor, seqs: list[SeqState]) -> list[int | None]:
         return choose_tokens(logits, seqs)
 
-    def _blocks_for_budget(self, memory_bytes: int | None) -> int:
-        if memory_bytes is None:
-            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            memory_bytes = int(weights * DEFAULT_KV_FRACTION_OF_WEIGHTS)
-            return max(64, memory_bytes // self.bytes_per_block)
-        blocks = memory_bytes // self.bytes_per_block
-        if blocks < 1:
-            raise ValueError(
-                f"KV cache budget of {memory_bytes} bytes is smaller than one block ({self.bytes_per_block})"
-            )
-        return blocks
-
     # -- forward passes -------------------------------------------------------------------------
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings()(hidden).float()
 
     @torch.inference_mode()
-    def prefill(self, tables: Sequence[list[int]], token_lists: Sequence[Sequence[int]]) -> PrefillResult:
-        """Run whole sequences (``tables``: each one's blocks, enough for every token), packed without
-        padding into forwards of at most ``prefill_chunk_tokens``; write their K/V into the pool;
-        return next-token logits ``[B, vocab]`` (float32) in the order given, with the tokens the
-        forwards computed (padding included)."""
+    def prefill(
+        self,
+        tables: Sequence[list[int]],
+        token_lists: Sequence[Sequence[int]],
+        cached: Sequence[int] | None = None,
+    ) -> PrefillResult:
+        """Run sequences (``tables``: each one's blocks, enough for every token) whose first
+        ``cached[b]`` tokens the pool holds already (a cached prefix; default none) and whose
+        other tokens are ``token_lists[b]``: those are packed without padding into forwards of at
+        most ``prefill_chunk_tokens``, their K/V written into the pool, attending to the cached
+        ones in place. Returns next-token logits ``[B, vocab]`` (float32) in the order given, with
+        the tokens the forwards computed (padding included). Rows go into forwards in order, so a
+        row that reads blocks an earlier row of the same call fills finds them written."""
+        cached = list(cached) if cached is not None else [0] * len(token_lists)
         chunks: list[list[int]] = []
         budget = self.prefill_chunk_tokens
         in_chunk = 0  # tokens in the last chunk
@@ -188,17 +188,20 @@ class ModelRunner:
                 chunks.append([row])  # a prompt longer than the budget gets a forward of its own
                 in_chunk = len(tokens)
         parts = [
-            self._prefill_packed([tables[i] for i in rows], [token_lists[i] for i in rows]) for rows in chunks
+            self._prefill_packed(
+                [tables[i] for i in rows], [token_lists[i] for i in rows], [cached[i] for i in rows]
+            )
+            for rows in chunks
         ]
         logits = torch.cat([p[0] for p in parts])
         return PrefillResult(logits, computed_tokens=sum(p[1] for p in parts), forwards=len(chunks))
 
     def _prefill_packed(
-        self, tables: Sequence[list[int]], token_lists: Sequence[Sequence[int]]
+        self, tables: Sequence[list[int]], token_lists: Sequence[Sequence[int]], cached: list[int]
     ) -> tuple[torch.Tensor, int]:
-        """One forward over the prompts laid end to end (``[1, N]``); attention unpacks them to
-        one row per prompt, each attending causally to its own tokens. Returns the logits and the
-        tokens computed."""
+        """One forward over the prompts' uncached tokens laid end to end (``[1, N]``); attention
+        unpacks them to one row per prompt, each attending causally to its own tokens, cached
+        ones included. Returns the logits and the tokens computed."""
         real = sum(len(t) for t in token_lists)
         # padding, if any, is one more prompt of pad tokens whose K/V go to the scratch block
         pad = prefill_padded_size(real) - real if self.pad_prefill else 0
@@ -208,11 +211,12 @@ class ModelRunner:
         if pad:
             table = torch.cat([table, torch.full((1, table.shape[1]), self.scratch_block)])
         packed = [t for tokens in token_lists for t in tokens] + [self.pad_token_id] * pad
+        context = cached + [0] * bool(pad) if any(cached) else None
         ids, positions, last, meta = prefill_step(
-            self.store, self.upload, table, lengths, torch.tensor(packed), self.use_prefill_kernel
+            self.store, self.upload, table, lengths, torch.tensor(packed), self.use_prefill_kernel, context
         )
         compiled = self._compiled_prefill is not None and rows >= 2 and width >= 2  # 0/1: specialised
-        hidden = self._forward(ids, positions, meta, compiled)
+        hidden = self._forward(ids, positions, meta, compiled and context is None)
         return self._logits(hidden[0, last[: len(token_lists)]]), real + pad
 
     def _block_tables(self, tables: Sequence[list[int]], min_width: int = 1) -> torch.Tensor:

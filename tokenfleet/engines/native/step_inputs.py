@@ -111,20 +111,31 @@ def prefill_step(
     lengths: torch.Tensor,
     packed: torch.Tensor,
     use_kernel: bool,
+    cached: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepMetadata]:
     """``input_ids`` ``[1, N]``, ``position_ids`` ``[1, N]``, each prompt's last token's index and
     metadata for a packed prefill of prompts of ``lengths`` laid end to end (``packed``), prompt
-    ``b``'s blocks in ``table[b]``."""
+    ``b``'s blocks in ``table[b]``. ``cached``: tokens each prompt has in the pool before its
+    packed ones (its positions start there, and its queries attend to them too)."""
     bs = store.block_size
     segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
     ends = torch.cumsum(lengths, 0)
     starts = ends - lengths
+    offsets = torch.tensor(cached, dtype=torch.long) if cached is not None else None
     positions = torch.arange(len(segment)) - starts[segment]
+    if offsets is not None:
+        positions = positions + offsets[segment]
     places = write_places(table[segment, positions // bs], positions % bs, bs, use_kernel)
-    groups = None if use_kernel else group_indices(lengths)
-    # the C++ operator reads prompt bounds; SDPA runs over groups of similar lengths, their
-    # index arithmetic done once here, not per layer
-    bounds = [torch.cat([starts, ends[-1:]])] if groups is None else [lengths, groups.index]
+    groups = None if use_kernel or cached is not None else group_indices(lengths)
+    # the C++ operator reads prompt bounds (and a cached prefix's blocks); SDPA runs over groups of
+    # similar lengths, their index arithmetic done once here, not per layer, or prompt by prompt
+    # over its blocks where a prefix is cached
+    if use_kernel:
+        bounds = [torch.cat([starts, ends[-1:]]), *([table, offsets] if offsets is not None else [])]
+    elif groups is not None:
+        bounds = [lengths, groups.index]
+    else:
+        bounds = [table]
     sent = upload.send([packed[None], positions[None], ends - 1, *bounds, *places])
     ids, pos, last = sent[:3]
     bounds = sent[3 : 3 + len(bounds)]
@@ -142,9 +153,12 @@ def prefill_step(
         write_blocks=write_blocks,
         write_offsets=write_offsets,
         mask=mask,
-        starts=bounds[0] if groups is None else None,
+        starts=bounds[0] if use_kernel else None,
         groups=groups,
         use_kernel=use_kernel,
+        block_tables=bounds[-2 if use_kernel else 0] if cached is not None else None,
+        cached=bounds[-1] if use_kernel and cached is not None else None,
+        context=(list(cached), lengths.tolist()) if cached is not None else None,
     )
     return ids, pos, last, meta
 

@@ -35,6 +35,7 @@ def engine_args(config: WorkerConfig) -> Any:
         max_model_len=config.batching.max_seq_len,
         max_num_seqs=config.batching.max_batch_size,
         seed=0,
+        enable_prefix_caching=config.kv.prefix_caching,
         skip_tokenizer_init=True,
         disable_log_stats=True,
         **kv,

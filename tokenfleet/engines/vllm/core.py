@@ -55,6 +55,9 @@ class VllmCore(CoreFront):
             kv_tokens_per_seq=min(self.num_blocks * self.block_size, self.max_model_len),
         )
         super().__init__(facts, limits, batching, clock)
+        self.prefix_cache_queries = 0  # prompt tokens handed to vLLM ...
+        self.prefix_cache_hits = 0  # ... of which its prefix cache held the K/V (its num_cached_tokens)
+        self._first_output: set[str] = set()  # handed over, no output yet: its cache hits not counted
         self._active: dict[str, SeqState] = {}  # handed to vLLM, by vLLM request id, in order
 
     @classmethod
@@ -104,6 +107,8 @@ class VllmCore(CoreFront):
             kv_blocks_used=self.num_blocks - self._free_blocks(),
             running=len(self._active),
             waiting=self.num_waiting,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
         )
 
     def _free_blocks(self) -> int:
@@ -137,6 +142,10 @@ class VllmCore(CoreFront):
             seq = self._active.get(result.request_id)
             if seq is None:  # aborted on our side: nothing of it is streamed any more
                 continue
+            if result.request_id in self._first_output:
+                self._first_output.discard(result.request_id)
+                seq.cached_tokens = int(getattr(result, "num_cached_tokens", 0) or 0)
+                self.prefix_cache_hits += seq.cached_tokens
             for token_id in result.outputs[0].token_ids:
                 tokens.append(TokenOutput.append(seq, token_id))
                 if seq.finished:
@@ -172,6 +181,8 @@ class VllmCore(CoreFront):
             request_id = vllm_request_id(seq.key)
             self.engine.add_request(request_id, {"prompt_token_ids": seq.all_tokens}, sampling_params(seq))
             self._active[request_id] = seq
+            self._first_output.add(request_id)
+            self.prefix_cache_queries += len(seq.all_tokens)
             if seq.started is None:
                 seq.started = now
         for seq in seqs:
@@ -181,6 +192,7 @@ class VllmCore(CoreFront):
     def abort(self, keys: Collection[Hashable]) -> list[SeqState]:
         ids = [rid for rid, seq in self._active.items() if seq.key in keys]
         gone = [self._active.pop(rid) for rid in ids]
+        self._first_output.difference_update(ids)
         if ids:
             self.engine.abort_request(ids)
         return gone + self.remove_waiting(keys)

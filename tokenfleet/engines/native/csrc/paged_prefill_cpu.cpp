@@ -4,6 +4,9 @@
 // float32 FMAs otherwise), or on AMX CPUs in bf16 tile multiplies, and skips the upper triangle.
 //
 // Registered as tokenfleet::paged_prefill, which also writes the prompts' K/V into the pool.
+// A prompt may begin with tokens whose K/V the pool already holds (a cached prefix): its packed
+// tokens are then the rest, at positions cached[b] + i, and attend to the cached ones too, read
+// through its block table.
 //
 // Layouts:
 //   query        [1, H, N, D]        the packed prompts' queries (any strides)
@@ -11,6 +14,8 @@
 //   k_cache      [NB, BS, KVH, D]    one layer of the pool (v_cache the same), contiguous
 //   write_blocks [N], write_offsets [N] int64: where each token's key/value go
 //   starts       [B + 1] int64       prompt b is packed tokens starts[b] .. starts[b + 1]
+//   block_tables [B, max_blocks]     int64, optional: each prompt's blocks (with cached)
+//   cached       [B] int64           optional: tokens each prompt has in the pool before its own
 //   returns      [1, N, H, D]        the layout Hugging Face attention functions return
 // Work is split over (prompt, kv head, block of query rows); D must be a multiple of 16.
 
@@ -28,6 +33,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <optional>
 #include <vector>
 
 // Whether bf16 prefill may take the AMX tile path (where the CPU has it): prefill_tiles() sets it.
@@ -241,6 +248,46 @@ struct Task {
   int64_t start;       // the prompt's first packed token
   int64_t kv_head;
   int64_t row0, row1;  // the prompt's query rows this task computes
+  int64_t context;     // tokens before the prompt's packed ones, in the pool (0: none)
+  const int64_t* table;  // the prompt's blocks, where context > 0
+};
+
+// Where a task's keys and values come from: the packed tensors (no context), or, with a cached
+// context, a copy of the context's rows from the pool followed by the packed rows, contiguous.
+template <typename T>
+struct KeySource {
+  const T *k, *v;
+  int64_t k_tok, k_dim, v_tok, v_dim;
+  std::vector<T> ks, vs;  // the gathered rows, where there is a context
+
+  void select(const Task& task, const T* key, const at::Tensor& key_t, const T* value, const at::Tensor& value_t,
+              const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t d_len) {
+    const T* packed_k = key + task.kv_head * key_t.stride(1) + task.start * key_t.stride(2);
+    const T* packed_v = value + task.kv_head * value_t.stride(1) + task.start * value_t.stride(2);
+    if (task.context == 0) {
+      k = packed_k, v = packed_v;
+      k_tok = key_t.stride(2), k_dim = key_t.stride(3), v_tok = value_t.stride(2), v_dim = value_t.stride(3);
+      return;
+    }
+    const int64_t ctx = task.context, n = ctx + task.row1, bs = k_cache.size(1), kvh = k_cache.size(2);
+    ks.resize(n * d_len);
+    vs.resize(n * d_len);
+    const T* pool_k = k_cache.data_ptr<T>();
+    const T* pool_v = v_cache.data_ptr<T>();
+    for (int64_t t = 0; t < ctx; ++t) {  // pool rows are contiguous over the head dims
+      const int64_t row = ((task.table[t / bs] * bs + t % bs) * kvh + task.kv_head) * d_len;
+      std::memcpy(ks.data() + t * d_len, pool_k + row, d_len * sizeof(T));
+      std::memcpy(vs.data() + t * d_len, pool_v + row, d_len * sizeof(T));
+    }
+    for (int64_t t = ctx; t < n; ++t)
+      for (int64_t d = 0; d < d_len; ++d) {
+        ks[t * d_len + d] = packed_k[(t - ctx) * key_t.stride(2) + d * key_t.stride(3)];
+        vs[t * d_len + d] = packed_v[(t - ctx) * value_t.stride(2) + d * value_t.stride(3)];
+      }
+    k = ks.data(), v = vs.data();
+    k_tok = v_tok = d_len;
+    k_dim = v_dim = 1;
+  }
 };
 
 // The operator's tensors as pointers, and the sizes both attention paths work with.
@@ -364,7 +411,7 @@ inline void attend_block(const c10::BFloat16* q, int64_t first_row, int64_t rows
 
 // Causal attention of every task's rows in tiles (bf16, AMX).
 void attend_tiles(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                  const std::vector<Task>& tasks, double scale) {
+                  const at::Tensor& k_cache, const at::Tensor& v_cache, const std::vector<Task>& tasks, double scale) {
   using T = c10::BFloat16;
   const Operands<T> x(out, query, key, value, scale);
   const int64_t heads = x.heads, group = x.group, d_len = x.d_len;
@@ -373,18 +420,19 @@ void attend_tiles(const at::Tensor& out, const at::Tensor& query, const at::Tens
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<T> kt, vt, q(QR * d_len), p(QR * KT);
     std::vector<float> s(QR * KT), o(QR * d_len);
+    KeySource<T> src;
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = tasks[i];
-      pack_tiles(kt, vt, x.k + task.kv_head * key.stride(1) + task.start * key.stride(2), key.stride(2),
-                 x.v + task.kv_head * value.stride(1) + task.start * value.stride(2), value.stride(2), task.row1, d_len);
+      src.select(task, x.k, key, x.v, value, k_cache, v_cache, d_len);
+      pack_tiles(kt, vt, src.k, src.k_tok, src.v, src.v_tok, task.context + task.row1, d_len);
       for (int64_t h = task.kv_head * group; h < (task.kv_head + 1) * group; ++h) {
         const T* qh = x.q + h * query.stride(1) + task.start * q_tok;
         for (int64_t r0 = task.row0; r0 < task.row1; r0 += QR) {
           const int64_t rows = std::min(QR, task.row1 - r0);
           for (int64_t r = 0; r < QR; ++r)
             std::memcpy(q.data() + r * d_len, qh + (r0 + std::min(r, rows - 1)) * q_tok, d_len * sizeof(T));
-          attend_block(q.data(), r0, rows, d_len, x.scale, kt.data(), vt.data(), s.data(), p.data(), o.data(),
-                       x.out + ((task.start + r0) * heads + h) * d_len, heads * d_len);
+          attend_block(q.data(), task.context + r0, rows, d_len, x.scale, kt.data(), vt.data(), s.data(), p.data(),
+                       o.data(), x.out + ((task.start + r0) * heads + h) * d_len, heads * d_len);
         }
       }
     }
@@ -403,39 +451,41 @@ bool use_tiles(int64_t head_dim) {
 // Causal attention of every task's rows, with the arithmetic of Path.
 template <typename T, typename Path>
 void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-            const std::vector<Task>& tasks, double scale) {
+            const at::Tensor& k_cache, const at::Tensor& v_cache, const std::vector<Task>& tasks, double scale) {
   const Operands<T> x(out, query, key, value, scale);
   const int64_t heads = x.heads, group = x.group, d_len = x.d_len;
 
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     Path path(d_len);
     std::vector<float> s, o(ROWS * d_len);
+    KeySource<T> src;
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = tasks[i];
-      const int64_t n = task.row1;  // keys this task needs: the prompt's first row1 tokens
+      const int64_t ctx = task.context;
+      const int64_t n = ctx + task.row1;  // keys this task needs: the context and the first row1 tokens
       const int64_t ld = (n + ROWS + 2 * W - 1) / (2 * W) * (2 * W);  // room for the last block's overhang
-      path.load_keys_values(x.k + task.kv_head * key.stride(1) + task.start * key.stride(2), key.stride(2),
-                            key.stride(3), x.v + task.kv_head * value.stride(1) + task.start * value.stride(2),
-                            value.stride(2), value.stride(3), n, ld);
+      src.select(task, x.k, key, x.v, value, k_cache, v_cache, d_len);
+      path.load_keys_values(src.k, src.k_tok, src.k_dim, src.v, src.v_tok, src.v_dim, n, ld);
       s.assign(ROWS * ld, 0.0f);
       for (int64_t h = task.kv_head * group; h < (task.kv_head + 1) * group; ++h) {
         for (int64_t r0 = task.row0; r0 < task.row1; r0 += ROWS) {
           const int64_t rows = std::min(ROWS, task.row1 - r0);
-          const T* next = x.q + h * query.stride(1) + (task.start + std::min(r0 + ROWS, n - 1)) * query.stride(2);
+          const T* next =
+              x.q + h * query.stride(1) + (task.start + std::min(r0 + ROWS, task.row1 - 1)) * query.stride(2);
           for (int64_t r = 0; r < ROWS; ++r) prefetch_row(next + r * query.stride(2), d_len * query.stride(3));
           for (int64_t r = 0; r < ROWS; ++r)  // rows past the task's end repeat its last row, unused
             path.load_query(r, x.q + h * query.stride(1) + (task.start + r0 + std::min(r, rows - 1)) * query.stride(2),
                             query.stride(3));
-          const int64_t width = (r0 + ROWS + W - 1) / W * W;  // keys up to the block's last row
+          const int64_t width = (ctx + r0 + ROWS + W - 1) / W * W;  // keys up to the block's last row
           path.scores(width, s.data(), x.scale);
           float inv[ROWS];
-          for (int64_t r = 0; r < ROWS; ++r) {  // causal softmax of row r0 + r: keys 0 .. r0 + r
+          for (int64_t r = 0; r < ROWS; ++r) {  // causal softmax of row r0 + r: keys 0 .. ctx + r0 + r
             float* row = s.data() + r * ld;
-            const int64_t keys = r0 + r + 1;
+            const int64_t keys = ctx + r0 + r + 1;
             inv[r] = 1.0f / tokenfleet::exp_shifted(row, keys);
             std::fill(row + keys, row + width, 0.0f);
           }
-          path.values(s.data(), std::min(r0 + ROWS, ld), o.data());
+          path.values(s.data(), std::min(ctx + r0 + ROWS, ld), o.data());
           for (int64_t r = 0; r < rows; ++r) {
             T* dst = x.out + ((task.start + r0 + r) * heads + h) * d_len;
             for (int64_t d = 0; d < d_len; ++d) dst[d] = static_cast<T>(o[r * d_len + d] * inv[r]);
@@ -450,7 +500,8 @@ void attend(const at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
 
 at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                          at::Tensor& v_cache, const at::Tensor& write_blocks, const at::Tensor& write_offsets,
-                         const at::Tensor& starts, double scale) {
+                         const at::Tensor& starts, double scale, const std::optional<at::Tensor>& block_tables,
+                         const std::optional<at::Tensor>& cached) {
   TORCH_CHECK(query.dim() == 4 && query.size(0) == 1, "query must be [1, H, N, D]");
   TORCH_CHECK(key.dim() == 4 && key.size(0) == 1 && key.sizes() == value.sizes(), "key/value must be [1, KVH, N, D]");
   TORCH_CHECK(key.size(2) == query.size(2) && key.size(3) == query.size(3), "query and key tokens/dims differ");
@@ -464,27 +515,44 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key, const a
   const int64_t* b = bounds.data_ptr<int64_t>();
   const int64_t prompts = bounds.numel() - 1, tokens = query.size(2);
   TORCH_CHECK(prompts >= 0 && b[0] == 0 && b[prompts] == tokens, "starts must run from 0 to the token count");
+  TORCH_CHECK(block_tables.has_value() == cached.has_value(), "block_tables and cached go together");
+  at::Tensor tables, context;
+  if (cached.has_value()) {
+    tables = block_tables->to(at::kLong).contiguous();
+    context = cached->to(at::kLong).contiguous();
+    TORCH_CHECK(tables.dim() == 2 && tables.size(0) == prompts && context.numel() == prompts,
+                "block_tables must be [B, max_blocks] and cached [B]");
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pool must be contiguous");
+  }
   std::vector<Task> tasks;
   for (int64_t p = 0; p < prompts; ++p) {
     const int64_t len = b[p + 1] - b[p];
     TORCH_CHECK(len >= 0, "starts must not decrease");
+    const int64_t ctx = cached.has_value() ? context.data_ptr<int64_t>()[p] : 0;
+    const int64_t* table = cached.has_value() ? tables.data_ptr<int64_t>() + p * tables.size(1) : nullptr;
+    TORCH_CHECK(ctx >= 0 && (ctx == 0 || (ctx + k_cache.size(1) - 1) / k_cache.size(1) <= tables.size(1)),
+                "a prompt's cached tokens must lie in its block table");
     for (int64_t g = 0; g < key.size(1); ++g)
-      for (int64_t r = 0; r < len; r += TASK_ROWS) tasks.push_back({b[p], g, r, std::min(len, r + TASK_ROWS)});
+      for (int64_t r = 0; r < len; r += TASK_ROWS) tasks.push_back({b[p], g, r, std::min(len, r + TASK_ROWS), ctx, table});
   }
   auto out = at::empty({1, tokens, query.size(1), query.size(3)}, query.options());
   switch (query.scalar_type()) {
-    case at::kFloat: attend<float, Float32Path<float>>(out, query, key, value, tasks, scale); break;
+    case at::kFloat: attend<float, Float32Path<float>>(out, query, key, value, k_cache, v_cache, tasks, scale); break;
 #ifdef __AVX512BF16__
     case at::kBFloat16:
       if (use_tiles(query.size(3)) && query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1)
-        attend_tiles(out, query, key, value, tasks, scale);
+        attend_tiles(out, query, key, value, k_cache, v_cache, tasks, scale);
       else
-        attend<c10::BFloat16, BFloat16Path>(out, query, key, value, tasks, scale);
+        attend<c10::BFloat16, BFloat16Path>(out, query, key, value, k_cache, v_cache, tasks, scale);
       break;
 #else
-    case at::kBFloat16: attend<c10::BFloat16, Float32Path<c10::BFloat16>>(out, query, key, value, tasks, scale); break;
+    case at::kBFloat16:
+      attend<c10::BFloat16, Float32Path<c10::BFloat16>>(out, query, key, value, k_cache, v_cache, tasks, scale);
+      break;
 #endif
-    case at::kHalf: attend<c10::Half, Float32Path<c10::Half>>(out, query, key, value, tasks, scale); break;
+    case at::kHalf:
+      attend<c10::Half, Float32Path<c10::Half>>(out, query, key, value, k_cache, v_cache, tasks, scale);
+      break;
     default: TORCH_CHECK(false, "unsupported dtype ", query.scalar_type());
   }
   return out;
@@ -493,7 +561,8 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key, const a
 TORCH_LIBRARY_FRAGMENT(tokenfleet, m) {
   m.def(
       "paged_prefill(Tensor query, Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "Tensor write_blocks, Tensor write_offsets, Tensor starts, float scale) -> Tensor");
+      "Tensor write_blocks, Tensor write_offsets, Tensor starts, float scale, Tensor? block_tables=None, "
+      "Tensor? cached=None) -> Tensor");
   m.def("prefill_tiles(bool enabled) -> bool", &prefill_tiles);
 }
 
