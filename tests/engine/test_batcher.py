@@ -168,7 +168,7 @@ def test_remove_drops_matching_requests():
         (dict(max_batch_size=0), "max_batch_size"),
         (dict(buckets=()), "buckets"),
         (dict(buckets=(16, 8)), "buckets"),
-        (dict(buckets=(8, 64), max_seq_len=64), "buckets"),
+        (dict(buckets=(8, 128), max_seq_len=64), "buckets"),
         (dict(mix_buckets="yes"), "mix_buckets"),
         (dict(mode="eager"), "mode"),
         (dict(max_prefill_tokens=0), "max_prefill_tokens"),

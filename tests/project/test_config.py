@@ -29,7 +29,26 @@ def test_every_setting_is_a_flag_of_the_worker_with_its_default_in_the_help():
             shown = (
                 ",".join(map(str, flat[spec.name])) if isinstance(flat[spec.name], list) else flat[spec.name]
             )
-            assert f"[default: {shown}]" in text, spec.name
+            assert f"[default: {spec.setting.default_text or shown}]" in text, spec.name
+
+
+def test_without_bucket_flags_a_worker_serves_the_models_whole_context(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 8192}')
+    fitted = resolve_worker_config({"model": str(model)}, environ={}).batching
+    assert (fitted.max_seq_len, fitted.buckets) == (8192, (128, 512, 2048, 8192))
+    capped = resolve_worker_config({"model": str(model), "max_seq_len": 4096}, environ={}).batching
+    assert (capped.max_seq_len, capped.buckets) == (4096, (128, 512, 2048, 4096))
+    named = resolve_worker_config({"model": str(model), "buckets": "64,256"}, environ={}).batching
+    assert (named.max_seq_len, named.buckets) == (8192, (64, 256))
+    online = resolve_worker_config({"model": str(model)}, environ={}, profile="online").batching
+    assert (online.max_seq_len, online.buckets) == (4096, (128, 512, 2048, 4096))
+    (model / "config.json").write_text('{"text_config": {"max_position_embeddings": 300}}')
+    nested = resolve_worker_config({"model": str(model)}, environ={}).batching
+    assert (nested.max_seq_len, nested.buckets) == (300, (128, 300))
+    (model / "config.json").write_text("{}")  # the model does not say: the fields' defaults
+    assert resolve_worker_config({"model": str(model)}, environ={}).batching == DynamicBatchingConfig()
 
 
 def test_flag_names_are_unique_across_sections():

@@ -82,7 +82,7 @@ def _option(spec: Spec) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """One click option for a config setting: no click default (None means "not given", so the
     lower layers can fill it); the field's default shown in the help."""
     setting = spec.setting
-    shown = spec.default
+    shown = setting.default_text or spec.default
     shown = ",".join(map(str, shown)) if isinstance(shown, tuple) else shown
     help_text = setting.help + ("" if shown is None else f"  [default: {shown}]")
     if setting.kind == "bool":

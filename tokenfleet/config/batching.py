@@ -10,7 +10,7 @@ from tokenfleet.config.settings import setting
 
 MODES = ("static", "dynamic", "continuous")
 PADDINGS = ("bucket", "max")  # the old spelling of mix_buckets (no / yes); kept for one release
-DEFAULT_BUCKETS = (128, 256, 512)
+DEFAULT_BUCKETS = (128, 512, 2048)  # x4 up to the default max_seq_len (see config.model_fit)
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,16 @@ class DynamicBatchingConfig:
 
     max_wait_ms: float = setting(50.0, "Longest time the oldest waiting request waits for a batch to fill.")
     max_batch_size: int = setting(32, "Most sequences per batch.")
-    max_seq_len: int = setting(2048, "Longest prompt + generated tokens a request may need.")
+    max_seq_len: int = setting(
+        2048,
+        "Longest prompt + generated tokens a request may need.",
+        default_text="the model's context length (2048 where its config does not say)",
+    )
     buckets: tuple[int, ...] = setting(
-        DEFAULT_BUCKETS, "Prompt-length buckets served, comma-separated.", kind="buckets"
+        DEFAULT_BUCKETS,
+        "Prompt-length buckets served, comma-separated.",
+        kind="buckets",
+        default_text="128,512,2048,... (x4) up to max_seq_len",
     )
     mix_buckets: bool = setting(
         False,
@@ -93,10 +100,9 @@ class DynamicBatchingConfig:
             raise ValueError(f"buckets must be positive integers, got {buckets!r}")
         if list(buckets) != sorted(set(buckets)):
             raise ValueError(f"buckets must be strictly increasing, got {buckets!r}")
-        if buckets[-1] >= self.max_seq_len:
+        if buckets[-1] > self.max_seq_len:
             raise ValueError(
-                f"buckets: the largest bucket ({buckets[-1]}) must be below max_seq_len ({self.max_seq_len}) "
-                "to leave room for generated tokens"
+                f"buckets: the largest bucket ({buckets[-1]}) is longer than max_seq_len ({self.max_seq_len})"
             )
         if not (isinstance(self.promote_after_s, (int, float)) and self.promote_after_s >= 0):
             raise ValueError(f"promote_after_s must be a number >= 0, got {self.promote_after_s!r}")

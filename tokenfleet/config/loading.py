@@ -4,6 +4,7 @@ TOML file, the ``--profile``, the field's default. No other module reads the env
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenfleet.config.gateway import GatewayConfig
+from tokenfleet.config.model_fit import fit_to_model, model_context_length
 from tokenfleet.config.settings import ENV_PREFIX, Spec, build, specs
 from tokenfleet.config.worker import DEFAULT_PREFIX, DEFAULT_REDIS_URL, WorkerConfig
 
@@ -55,9 +57,11 @@ def resolve_worker_config(
     if profile_name is not None and profile_name not in PROFILES:
         raise ValueError(f"unknown profile {profile_name!r}; use one of {sorted(PROFILES)}")
     layers = [(f"profile {profile_name}", PROFILES.get(profile_name or "", {}))]
-    config: WorkerConfig = _resolve(
-        WorkerConfig, WORKER_SETTINGS, flags, environ, config_file, from_file, layers
-    )
+    config: WorkerConfig
+    config, given = _resolve(WorkerConfig, WORKER_SETTINGS, flags, environ, config_file, from_file, layers)
+    if not {"max_seq_len", "buckets"} <= given:
+        context = model_context_length(config.engine.model) if config.engine.model else None
+        config = dataclasses.replace(config, batching=fit_to_model(config.batching, context, given))
     return config
 
 
@@ -67,9 +71,8 @@ def resolve_gateway_config(
     """The gateway's config from its layers (no profiles; ``[gateway]`` in a TOML file)."""
     environ = os.environ if environ is None else environ
     from_file = load_config_file(config_file, "gateway") if config_file else {}
-    config: GatewayConfig = _resolve(
-        GatewayConfig, GATEWAY_SETTINGS, flags, environ, config_file, from_file, []
-    )
+    config: GatewayConfig
+    config, _ = _resolve(GatewayConfig, GATEWAY_SETTINGS, flags, environ, config_file, from_file, [])
     return config
 
 
@@ -81,8 +84,9 @@ def _resolve(
     config_file: str | None,
     from_file: Mapping[str, Any],
     lower: Sequence[tuple[str, Mapping[str, Any]]],
-) -> Any:
-    """Each setting from the first layer that has it: flag, environment, file, ``lower`` layers."""
+) -> tuple[Any, set[str]]:
+    """Each setting from the first layer that has it: flag, environment, file, ``lower`` layers;
+    returns the config and the names of the settings some layer gave (the rest are defaults)."""
     unknown = set(from_file) - {spec.name for spec in settings}
     if unknown:
         raise ValueError(f"unknown settings in {config_file}: {', '.join(sorted(unknown))}")
@@ -97,7 +101,7 @@ def _resolve(
         )
         if found is not None:
             values[spec.name] = spec.parse(found[1], found[0])
-    return build(cls, values)
+    return build(cls, values), set(values)
 
 
 def worker_config(**settings: Any) -> WorkerConfig:

@@ -24,6 +24,7 @@ class Setting:
     choices: tuple[str, ...] = ()
     flag: str | None = None  # default: the field's name
     env_aliases: tuple[str, ...] = ()  # read after TOKENFLEET_<FLAG>, e.g. REDIS_URL
+    default_text: str | None = None  # what --help says the default is, where the field's is not it
 
 
 def setting(
@@ -34,13 +35,15 @@ def setting(
     choices: tuple[str, ...] = (),
     flag: str | None = None,
     env_aliases: tuple[str, ...] = (),
+    default_text: str | None = None,
 ) -> Any:
     """A dataclass field with its :class:`Setting`; ``kind`` defaults to the default's type."""
     if kind is None:
         if default is None:
             raise TypeError("a setting whose default is None needs kind=")
         kind = "str" if choices else type(default).__name__
-    return field(default=default, metadata={"setting": Setting(help, kind, choices, flag, env_aliases)})
+    meta = Setting(help, kind, choices, flag, env_aliases, default_text)
+    return field(default=default, metadata={"setting": meta})
 
 
 def section(cls: type) -> Any:
