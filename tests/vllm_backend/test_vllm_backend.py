@@ -17,6 +17,7 @@ from conftest import RunningWorker, worker_process
 
 from tokenfleet import protocol
 from tokenfleet.config import DynamicBatchingConfig, EngineConfig, KVCacheConfig, WorkerConfig
+from tokenfleet.core.sequence import SeqState
 from tokenfleet.errors import RequestFailed
 from tokenfleet.producer import Client
 from tokenfleet.protocol import GROUP, ErrorCode, Keys
@@ -116,6 +117,27 @@ def assert_clean(events, token_ids):
     assert indices == list(range(len(token_ids)))
     assert [e.type for e in events][-1] in ("done", "error")
     assert sum(e.type in ("done", "error") for e in events) == 1
+
+
+def test_vllms_prefix_cache_hits_are_counted_and_reported(vllm_engine, offline, tiny_model):
+    """A prompt that begins with one vLLM has seen: vLLM's prefix cache holds those blocks, and the
+    core counts them (its num_cached_tokens) for the heartbeat and the metrics."""
+    core = vllm_core(vllm_engine, tiny_model, max_wait_ms=0, buckets=(MAX_SEQ_LEN,))
+    shared = list(range(3, 3 + 320))  # whole blocks of vLLM's, whether they hold 16 tokens or 128
+    seqs = []
+    for i, tail in enumerate(([60, 61], [62, 63, 64])):
+        ids = shared + tail
+        request = protocol.Request(id=f"pc{i}", input_ids=tuple(ids), max_new_tokens=4, ignore_eos=True)
+        seq = SeqState(request.id, request, ids, core.facts.tokenizer, core.facts.eos_token_ids, time.time())
+        seqs.append(seq)
+        assert core.add(seq, time.monotonic()) is None
+        while not seq.finished:
+            core.step()
+        assert seq.generated == offline(ids, 4)
+    assert seqs[0].cached_tokens == 0 and seqs[1].cached_tokens >= 256
+    capacity = core.capacity()
+    assert capacity.prefix_cache_queries == sum(len(s.prompt_ids) for s in seqs)
+    assert capacity.prefix_cache_hits == seqs[1].cached_tokens
 
 
 @pytest.mark.parametrize("mode", ["static", "dynamic", "continuous"])

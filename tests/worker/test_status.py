@@ -15,8 +15,8 @@ def test_status_shows_live_worker_and_queues_matching_redis(run_worker, redis_ur
     keys = Keys(prefix)
     with run_worker() as running:
         client = Client(redis_url, model=str(model_path), prefix=prefix)
-        for h in [client.submit(f"s{i}", max_new_tokens=3) for i in range(3)]:
-            h.result(timeout=60)
+        for i in range(3):  # one after another: the later ones find the shared start cached
+            client.submit(f"a prompt start the three share, then {i}", max_new_tokens=3).result(timeout=60)
         # a bucket announced by a worker that is gone: its requests wait, undelivered
         r.sadd(keys.buckets, 128)
         r.xgroup_create(keys.request_stream(128), GROUP, id="0", mkstream=True)
@@ -51,6 +51,10 @@ def test_status_shows_live_worker_and_queues_matching_redis(run_worker, redis_ur
     [worker] = report["workers"]
     assert worker["name"] == running.worker.name and worker["alive"] and worker["buckets"] == [16, 32, 64]
     assert worker["finished"] == 3
+    assert 0 < worker["prefix_cache_hits"] < worker["prefix_cache_queries"]
+    hit_rate = f"{worker['prefix_cache_hits'] / worker['prefix_cache_queries']:.0%}"
+    worker_row = next(line for line in table.stdout.splitlines() if line.startswith(running.worker.name[:28]))
+    assert worker_row.split()[-1] == hit_rate
     assert report["queues"]["128"]["depth"] == 4 and report["queues"]["128"]["oldest_waiting_s"] >= 0
     assert report["queues"]["16"] == {
         "bucket": 16,

@@ -25,6 +25,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 ROOT = b"tokenfleet-kv-v1"  # the parent of a sequence's first block
+MEMO_SEQUENCES = 256  # token sequences whose block names are kept (waiting requests ask each step)
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -68,6 +69,7 @@ class BlockAllocator:
         self._tail: dict[Hashable, list[int]] = {}  # token ids in its last, partial block
         self.queries = 0  # prompt tokens looked up in the cache
         self.hits = 0  # ... found there
+        self._memo: OrderedDict[tuple[int, ...], list[bytes]] = OrderedDict()
 
     # -- queries --------------------------------------------------------------------------------
 
@@ -98,7 +100,7 @@ class BlockAllocator:
         if not self.prefix_caching or len(tokens) < 2:
             return []
         found = []
-        for name in chain_hashes(tokens[: len(tokens) - 1], self.block_size):
+        for name in self._names(tokens)[: (len(tokens) - 1) // self.block_size]:
             block = self._named.get(name)
             if block is None:
                 break
@@ -163,7 +165,7 @@ class BlockAllocator:
         self._tables[seq_id] = table
         self._lengths[seq_id] = len(tokens)
         full = len(tokens) // self.block_size
-        chain = chain_hashes(tokens[: full * self.block_size], self.block_size) if self.prefix_caching else []
+        chain = list(self._names(tokens)) if self.prefix_caching else []
         self._chains[seq_id] = chain
         self._tail[seq_id] = list(tokens[full * self.block_size :])
         for i in range(len(cached), len(chain)):
@@ -219,6 +221,19 @@ class BlockAllocator:
         for block in self._unconfirmed:
             self._unname(block)
         self._unconfirmed.clear()
+
+    def _names(self, tokens: Sequence[int]) -> list[bytes]:
+        """The names of ``tokens``' full blocks, remembered for the last :data:`MEMO_SEQUENCES`
+        sequences asked about (a request waiting for room is asked about at every step)."""
+        key = tuple(tokens)
+        names = self._memo.get(key)
+        if names is None:
+            names = self._memo[key] = chain_hashes(key, self.block_size)
+            if len(self._memo) > MEMO_SEQUENCES:
+                self._memo.popitem(last=False)
+        else:
+            self._memo.move_to_end(key)
+        return names
 
     def _hold(self, block: int) -> None:
         if self._refs[block] == 0:
