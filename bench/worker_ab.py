@@ -56,6 +56,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--no-compile", action="store_true", help="eager workers (compiled by default)")
     p.add_argument(
+        "--fresh-prompts",
+        action="store_true",
+        help="new random prompts every round (the same for A and B): no worker has seen them, so a "
+        "prefix cache finds nothing (by default every round repeats the first round's burst)",
+    )
+    p.add_argument(
         "--defaults",
         action="store_true",
         help="workers on the README's flags alone (--dtype): no tuned flags, no preloaded allocator",
@@ -96,9 +102,16 @@ def main() -> None:
             )
         for round_no in range(args.rounds):
             order = ("A", "B") if round_no % 2 == 0 else ("B", "A")
+            burst = make_workload("fixed", args.requests, args.prompt_len, args.new_tokens, 1.0, round_no + 1)
             for name in order:
                 traces, wall = asyncio.run(
-                    drive_clients(server.url, model_dir, prefixes[name], reqs, AsyncClient)
+                    drive_clients(
+                        server.url,
+                        model_dir,
+                        prefixes[name],
+                        burst if args.fresh_prompts else reqs,
+                        AsyncClient,
+                    )
                 )
                 speeds[name].append(sum(len(t.token_ids) for t in traces) / wall)
             a, b = speeds["A"][-1], speeds["B"][-1]

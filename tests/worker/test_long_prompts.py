@@ -35,7 +35,7 @@ def test_a_long_chat_and_a_long_prompt_are_served_with_the_readme_flags(smollm2,
 
     tokenizer = Tokenizer.from_file(str(Path(smollm2) / "tokenizer.json"))
     chat = [
-        {"role": "system", "content": text_of(tokenizer, 950)},
+        {"role": "system", "content": text_of(tokenizer, 1000)},
         {"role": "user", "content": "In one sentence: what carries the prompts?"},
     ]
     long_prompt = text_of(tokenizer, 4000)

@@ -124,8 +124,8 @@ class KVCacheConfig:
     )
     memory_bytes: int | None = setting(
         None,
-        "KV pool budget, e.g. 2GiB (default on the CPU: 4GiB, at most a quarter of the memory free at "
-        "start-up and at least the weights' size; on a GPU: the weights' size).",
+        "KV pool budget, e.g. 2GiB (default on the CPU: 1GiB or the weights' size if larger, at most a "
+        "quarter of the memory free at start-up; on a GPU: the weights' size).",
         kind="size",
         flag="kv_cache_memory",
     )

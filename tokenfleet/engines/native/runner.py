@@ -82,21 +82,13 @@ class ModelRunner:
             self.num_layers, self.num_kv_heads, self.head_dim, kv.block_size, self.dtype
         )
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        num_blocks = kv.num_blocks or pool_blocks(
-            self.bytes_per_block, kv.memory_bytes, weights, self.device.type
-        )
-        # one block more than the allocator hands out: the scratch block padding tokens write to
-        self.scratch_block = num_blocks
-        self.store = PagedKVStore(
-            self.num_layers,
-            num_blocks + 1,
-            kv.block_size,
-            self.num_kv_heads,
-            self.head_dim,
-            self.device,
-            self.dtype,
-        )
-        self.num_blocks = num_blocks  # what the scheduler's allocator may hand out
+        self.num_blocks = kv.num_blocks or pool_blocks(
+            self.bytes_per_block, kv.memory_bytes, weights, self.device.type, max_seq_len // kv.block_size
+        )  # what the scheduler's allocator may hand out; one block more is the scratch block
+        self.scratch_block = self.num_blocks  # where padding tokens' K/V go
+        shape = (self.num_layers, self.num_blocks + 1, kv.block_size, self.num_kv_heads, self.head_dim)
+        self.store = PagedKVStore(*shape, self.device, self.dtype)
+        self.store.populate_in_background()  # pages in on a low-priority thread: no step waits on a fault
         # attention in C++ on CPU (decode straight from the pool, prefill on the packed prompts);
         # elsewhere (and without a compiler) SDPA runs on gathered blocks and padded prompts
         self.use_kernel = self.device.type == "cpu" and paged_attention_kernels(paged_kernel) is not None
@@ -139,7 +131,7 @@ class ModelRunner:
             model_dir,
             self.device,
             str(self.dtype).removeprefix("torch."),
-            num_blocks,
+            self.num_blocks,
             kv.block_size,
             self.store.nbytes / 2**20,
         )
