@@ -123,7 +123,7 @@ def test_vllms_prefix_cache_hits_are_counted_and_reported(vllm_engine, offline, 
     """A prompt that begins with one vLLM has seen: vLLM's prefix cache holds those blocks, and the
     core counts them (its num_cached_tokens) for the heartbeat and the metrics."""
     core = vllm_core(vllm_engine, tiny_model, max_wait_ms=0, buckets=(MAX_SEQ_LEN,))
-    shared = list(range(3, 3 + 320))  # whole blocks of vLLM's, whether they hold 16 tokens or 128
+    shared = [3 + i % 200 for i in range(320)]  # whole blocks of vLLM's, whether 16 tokens or 128
     seqs = []
     for i, tail in enumerate(([60, 61], [62, 63, 64])):
         ids = shared + tail
