@@ -8,6 +8,7 @@ gather fallback reads them through a transposed view: one copy, not two).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import functools
@@ -97,12 +98,15 @@ class PagedKVStore:
         if libc is None:
             return None
         regions = [(t.data_ptr(), t.numel() * t.element_size()) for t in self.k + self.v]
+        stop = threading.Event()
 
         def populate() -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             started = time.monotonic()
             for begin, size in regions:
                 for offset in range(0, size, POPULATE_CHUNK):
+                    if stop.is_set():
+                        return
                     length = min(POPULATE_CHUNK, size - offset)
                     if libc.madvise(
                         ctypes.c_void_p(begin + offset), ctypes.c_size_t(length), MADV_POPULATE_WRITE
@@ -112,6 +116,12 @@ class PagedKVStore:
 
         thread = threading.Thread(target=populate, name="tokenfleet-kv-populate", daemon=True)
         thread.start()
+
+        def finish() -> None:  # a daemon thread still paging in at exit can abort the interpreter
+            stop.set()
+            thread.join(timeout=5)
+
+        atexit.register(finish)
         return thread
 
     @staticmethod
