@@ -141,7 +141,7 @@ def test_missing_or_bad_id_is_dead_lettered():
 
 
 def test_unknown_version_is_dead_lettered_but_keeps_the_id():
-    e = err({b"m": msgpack.packb({"v": 2, "id": "abc", "prompt": "hi"})})
+    e = err({b"m": msgpack.packb({"v": 3, "id": "abc", "prompt": "hi"})})
     assert e.dead_letter and e.code == ErrorCode.UNSUPPORTED_VERSION and e.request_id == "abc"
 
 
@@ -179,3 +179,70 @@ def test_priority_names_a_lane_and_the_default_stays_off_the_wire():
     assert protocol.validate_request(req.to_wire()) == req
     default = protocol.validate_request({"id": "p2", "prompt": "hi"})
     assert default.priority == "interactive" and default.lane == 0 and "priority" not in default.to_wire()
+
+
+# -- output controls ---------------------------------------------------------------------------
+
+
+def test_output_controls_round_trip_as_version_2():
+    from tokenfleet.protocol.output_controls import parse_response_format
+
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    req = Request(
+        id="oc",
+        input_ids=(1, 2),
+        min_tokens=2,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.2,
+        logit_bias=((7, -100.0), (12, 3.5)),
+        response_format=parse_response_format(
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        ),
+        logprobs=3,
+    )
+    body = req.to_wire()
+    assert body["v"] == 2 and body["logit_bias"] == {"7": -100.0, "12": 3.5}
+    assert list(body["response_format"]["json_schema"]["schema"]["properties"]) == ["b", "a"]  # order kept
+    assert protocol.decode_request(protocol.encode_request(req)) == req
+    assert Request(id="plain", input_ids=(1,)).to_wire()["v"] == 1  # older workers still take the rest
+
+
+def test_output_controls_in_the_plain_form():
+    fields = {
+        b"id": b"p",
+        b"prompt": b"hi",
+        b"logprobs": b"2",
+        b"presence_penalty": b"1.5",
+        b"logit_bias": b'{"5": 10}',
+        b"response_format": b'{"type": "regex", "regex": "[0-9]+"}',
+    }
+    req = protocol.decode_request(fields)
+    assert req.logprobs == 2 and req.presence_penalty == 1.5 and req.logit_bias == ((5, 10.0),)
+    assert req.response_format.type == "regex" and req.response_format.source == "[0-9]+"
+    text = protocol.decode_request({b"id": b"t", b"prompt": b"hi", b"response_format": b'{"type": "text"}'})
+    assert text.response_format is None
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("logprobs", 21),
+        ("logprobs", -1),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("repetition_penalty", 0.0),
+        ("min_tokens", 100),  # above max_new_tokens (64 by default)
+        ("logit_bias", {"5": 101}),
+        ("logit_bias", {"x": 1}),
+        ("logit_bias", [1, 2]),
+        ("response_format", {"type": "yaml"}),
+        ("response_format", {"type": "json_schema"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"schema": "{not json"}}),
+        ("response_format", {"type": "regex", "regex": ""}),
+        ("response_format", {"type": "grammar", "grammar": "x" * ((64 << 10) + 1)}),
+    ],
+)
+def test_bad_output_controls_are_invalid_requests(field, value):
+    e = err({b"m": msgpack.packb({"id": "bad", "prompt": "hi", field: value})})
+    assert e.code == ErrorCode.INVALID_REQUEST and not e.dead_letter and e.request_id == "bad"

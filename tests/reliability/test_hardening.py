@@ -317,6 +317,9 @@ def test_json_and_msgpack_nesting_limits_hold_before_any_recursion():
     assert protocol.salvage_reply(fields)[0] == "x"
     ok = protocol.decode_request({b"id": b"y", b"input_ids": json.dumps([1, 2]).encode()})
     assert ok.input_ids == (1, 2)
-    nested = msgpack.packb({"id": "z", "input_ids": [1], "extra": [[[[[[[[[[1]]]]]]]]]]})
+    too_deep = 1
+    for _ in range(protocol.MAX_NESTING + 1):
+        too_deep = [too_deep]
+    nested = msgpack.packb({"id": "z", "input_ids": [1], "extra": too_deep})
     with pytest.raises(ProtocolError):
         protocol.decode_request({b"m": nested})

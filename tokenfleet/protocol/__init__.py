@@ -46,11 +46,13 @@ from tokenfleet.protocol.events import (
     ErrorEvent,
     ReplyEvent,
     TokenEvent,
+    TokenLogprob,
     decode_event,
     encode_event,
     is_duplicate_event_error,
 )
 from tokenfleet.protocol.keys import Keys
+from tokenfleet.protocol.output_controls import ResponseFormat
 from tokenfleet.protocol.refusal import Refusal
 from tokenfleet.protocol.request import Request, smallest_bucket
 from tokenfleet.protocol.validation import valid_request_id, validate_request
@@ -87,6 +89,8 @@ __all__ = [
     "ReplyEvent",
     "Request",
     "TokenEvent",
+    "TokenLogprob",
+    "ResponseFormat",
     "check_nesting",
     "decode_event",
     "decode_request",

@@ -27,6 +27,7 @@ from tokenfleet.protocol.validation import (
     FLOAT_FIELDS,
     INT_FIELDS,
     LIST_FIELDS,
+    MAP_FIELDS,
     request_id_of,
     validate_request,
 )
@@ -118,11 +119,11 @@ def _plain_value(name: str, raw: str) -> Any:
         return int(raw) if _PLAIN_INT_RE.fullmatch(raw) else raw
     if name in FLOAT_FIELDS:
         return float(raw) if _PLAIN_FLOAT_RE.fullmatch(raw) else raw
-    if name in LIST_FIELDS:
+    if name in LIST_FIELDS or name in MAP_FIELDS:
         if raw.count("[") + raw.count("{") > MAX_NESTING:
             _check_json_nesting(raw)  # only then can it be too deep: flat arrays skip the scan
         try:
-            value = json.loads(raw)  # JSON arrays: data only, never evaluated
+            value = json.loads(raw)  # JSON arrays and objects: data only, never evaluated
         except ValueError:
             return raw
         check_nesting(value)

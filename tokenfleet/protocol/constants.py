@@ -6,7 +6,12 @@ Everything here is part of the wire contract (docs/PROTOCOL.md): rename nothing,
 from __future__ import annotations
 
 PROTOCOL_VERSION = 1
-"""The only request version this release reads. A bump means an incompatible change."""
+"""The version of a request any worker reads: every field but the output controls."""
+OUTPUT_CONTROLS_VERSION = 2
+"""The version of a request that uses an output control (``response_format``, ``logprobs``, the
+penalties, ``logit_bias``, ``min_tokens``): a worker too old to honour them refuses it
+(``unsupported_version``) instead of ignoring them."""
+SUPPORTED_VERSIONS = (PROTOCOL_VERSION, OUTPUT_CONTROLS_VERSION)
 
 GROUP = "workers"
 """Consumer group every worker joins on every request stream."""
@@ -33,9 +38,15 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 256
 MAX_ROLE_LEN = 32
 MAX_BODY_BYTES = 4 << 20
-MAX_NESTING = 8
-"""Deepest nesting of lists and maps in a request (its own fields need 2): a deeper entry is
-undecodable before anything recursive (JSON's parser, a repr) walks it."""
+MAX_NESTING = 32
+"""Deepest nesting of lists and maps in a request (its own fields need 2, a JSON schema in
+``response_format`` more): a deeper entry is undecodable before anything recursive (JSON's
+parser, a repr) walks it."""
+MAX_LOGPROBS = 20
+"""Most alternatives ``logprobs`` may ask for at each position (OpenAI's limit)."""
+MAX_LOGIT_BIAS = 1024
+MAX_GRAMMAR_BYTES = 64 << 10
+"""Largest JSON schema (as JSON text), regex or Lark grammar a ``response_format`` may carry."""
 
 DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_REPLY_TTL_S = 24 * 3600
@@ -61,6 +72,7 @@ class ErrorCode:
     DUPLICATE_ID = "duplicate_id"  # another request with this id is in flight or answered
     DEADLINE_EXCEEDED = "deadline_exceeded"  # the request's deadline passed
     TOO_MANY_ATTEMPTS = "too_many_attempts"  # delivered too often without finishing
+    INVALID_GRAMMAR = "invalid_grammar"  # a response_format the grammar engine cannot compile
     INTERNAL = "internal_error"  # a bug or device failure while running the request
 
 

@@ -22,22 +22,43 @@ TERMINAL_EVENT_ID = "1-0"
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log probability and the ``top`` most likely tokens at its position
+    (token id, log probability), most likely first, from the distribution it was drawn from."""
+
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"logprob": self.logprob, "top": [[token, lp] for token, lp in self.top]}
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> TokenLogprob:
+        return cls(float(body["logprob"]), [(int(t), float(lp)) for t, lp in body.get("top") or []])
+
+
+@dataclass(frozen=True, slots=True)
 class TokenEvent:
     """Tokens ``ids`` starting at position ``index`` among the generated tokens, and the text
-    they completed (may be empty: a character or a stop string may still be forming)."""
+    they completed (may be empty: a character or a stop string may still be forming); with
+    ``logprobs`` (one per id) when the request asked for them."""
 
     type: ClassVar[str] = EventType.TOKEN
     terminal: ClassVar[bool] = False
     index: int
     ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def stream_id(self) -> str:
         return f"0-{self.index + 1}"
 
     def to_wire(self) -> dict[str, Any]:
-        return {"type": self.type, "index": self.index, "ids": self.ids, "text": self.text}
+        body = {"type": self.type, "index": self.index, "ids": self.ids, "text": self.text}
+        if self.logprobs is not None:
+            body["logprobs"] = [lp.to_wire() for lp in self.logprobs]
+        return body
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +130,13 @@ def decode_event(fields: Fields) -> ReplyEvent | None:
         body = unpack(fields[BODY_FIELD])
         kind = body["type"]
         if kind == EventType.TOKEN:
-            return TokenEvent(int(body["index"]), list(body["ids"]), str(body.get("text", "")))
+            logprobs = body.get("logprobs")
+            return TokenEvent(
+                int(body["index"]),
+                list(body["ids"]),
+                str(body.get("text", "")),
+                None if logprobs is None else [TokenLogprob.from_wire(lp) for lp in logprobs],
+            )
         if kind == EventType.DONE:
             usage = body.get("usage") or {}
             return DoneEvent(

@@ -11,8 +11,10 @@ from tokenfleet.protocol.constants import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_REPLY_TTL_S,
     LANES,
+    OUTPUT_CONTROLS_VERSION,
     PROTOCOL_VERSION,
 )
+from tokenfleet.protocol.output_controls import ResponseFormat
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,13 @@ class Request:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop token ids are held back until this many tokens
+    presence_penalty: float = 0.0  # OpenAI's: minus this from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count so far
+    repetition_penalty: float = 1.0  # HF's: logits of prompt and generated tokens moved toward 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    response_format: ResponseFormat | None = None  # a grammar the output must match
+    logprobs: int | None = None  # report each token's logprob and this many top alternatives
     deadline_ms: int | None = None
     reply_ttl_s: int = DEFAULT_REPLY_TTL_S
     # when Redis first accepted it (Unix ms), set by the worker that moves an ``auto`` entry to
@@ -46,6 +55,18 @@ class Request:
         return self.temperature == 0.0
 
     @property
+    def processes_logits(self) -> bool:
+        """Whether its logits need more than temperature, top-k and top-p before sampling."""
+        return bool(
+            self.min_tokens
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.response_format is not None
+        )
+
+    @property
     def lane(self) -> int:
         """The lane's rank: 0 is the highest."""
         return LANES.index(self.priority)
@@ -54,7 +75,14 @@ class Request:
         """The msgpack-ready map of this request, without defaults' noise."""
         # the fields are flat: no deep copy (``asdict`` made one per prompt token)
         values = ((f.name, getattr(self, f.name)) for f in fields(self) if f.name != "extra")
-        body = {k: v for k, v in values if v is not None}
+        # fields at their defaults stay off the wire: older workers need not see them
+        body = {k: v for k, v in values if v is not None and not (k in _OPTIONAL and v == _OPTIONAL[k])}
+        if self.processes_logits or self.logprobs is not None:
+            body["v"] = max(self.v, OUTPUT_CONTROLS_VERSION)  # an older worker refuses, never ignores
+        if self.logit_bias:
+            body["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
+        if self.response_format is not None:
+            body["response_format"] = self.response_format.to_wire()
         for k in ("input_ids", "stop", "stop_token_ids"):
             if k in body:
                 body[k] = list(body[k])
@@ -67,6 +95,15 @@ class Request:
         if body["priority"] == DEFAULT_LANE:  # older workers need not see it
             del body["priority"]
         return body
+
+
+_OPTIONAL = {
+    "min_tokens": 0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": (),
+}
 
 
 def smallest_bucket(buckets: Iterable[int], prompt_len: int) -> int | None:

@@ -8,9 +8,11 @@ from typing import Any
 
 from tokenfleet.errors import ProtocolError
 from tokenfleet.protocol.constants import (
+    DEFAULT_MAX_NEW_TOKENS,
     LANES,
     MAX_ID_LEN,
     MAX_INPUT_IDS,
+    MAX_LOGPROBS,
     MAX_MESSAGES,
     MAX_NEW_TOKENS_CAP,
     MAX_PROMPT_BYTES,
@@ -20,8 +22,10 @@ from tokenfleet.protocol.constants import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
     ErrorCode,
 )
+from tokenfleet.protocol.output_controls import parse_logit_bias, parse_response_format
 from tokenfleet.protocol.request import Request
 
 INT_FIELDS = {
@@ -32,13 +36,23 @@ INT_FIELDS = {
     "deadline_ms": (0, 1 << 53),
     "reply_ttl_s": (1, MAX_REPLY_TTL_S),
     "enqueued_ms": (0, 1 << 53),
+    "min_tokens": (0, MAX_NEW_TOKENS_CAP),
+    "logprobs": (0, MAX_LOGPROBS),
 }
 """Integer fields and their inclusive ranges."""
-FLOAT_FIELDS = {"temperature": (0.0, 100.0), "top_p": (0.0, 1.0)}
+FLOAT_FIELDS = {
+    "temperature": (0.0, 100.0),
+    "top_p": (0.0, 1.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "repetition_penalty": (0.0, 10.0),
+}
 """Number fields and their inclusive ranges."""
 LIST_FIELDS = ("input_ids", "stop", "stop_token_ids", "messages")
 """Fields that hold arrays (JSON arrays in the plain form)."""
-_KNOWN = {*INT_FIELDS, *FLOAT_FIELDS, *LIST_FIELDS, "id", "prompt", "ignore_eos", "priority"}
+MAP_FIELDS = ("response_format", "logit_bias")
+"""Fields that hold maps (JSON objects in the plain form)."""
+_KNOWN = {*INT_FIELDS, *FLOAT_FIELDS, *LIST_FIELDS, *MAP_FIELDS, "id", "prompt", "ignore_eos", "priority"}
 
 _ID_RE = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_ID_LEN}}}")  # fullmatch: no newline slips past a "$"
 
@@ -70,10 +84,11 @@ def validate_request(body: dict[str, Any]) -> Request:
             dead_letter=True,
         )
     version = body.get("v", PROTOCOL_VERSION)
-    if version != PROTOCOL_VERSION:
+    if version not in SUPPORTED_VERSIONS:
         raise ProtocolError(
             ErrorCode.UNSUPPORTED_VERSION,
-            f"protocol version {version!r} is not supported (this worker speaks {PROTOCOL_VERSION})",
+            f"protocol version {version!r} is not supported (this worker speaks "
+            f"{' and '.join(map(str, SUPPORTED_VERSIONS))})",
             request_id=rid,
             dead_letter=True,
         )
@@ -100,6 +115,17 @@ class _Fields:
                 kw[name] = self.number(name, body[name])
         if kw.get("top_p", 1.0) == 0.0:
             raise self.bad("top_p must be > 0")
+        if kw.get("repetition_penalty", 1.0) == 0.0:
+            raise self.bad("repetition_penalty must be > 0")
+        if kw.get("min_tokens", 0) > kw.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS):
+            raise self.bad("min_tokens must not exceed max_new_tokens")
+        try:
+            if body.get("response_format") is not None:
+                kw["response_format"] = parse_response_format(body["response_format"])
+            if body.get("logit_bias") is not None:
+                kw["logit_bias"] = parse_logit_bias(body["logit_bias"])
+        except ValueError as e:
+            raise self.bad(str(e)) from None
         if body.get("stop") is not None:
             kw["stop"] = self.stop_strings(body["stop"])
         if body.get("stop_token_ids") is not None:
