@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Hashable
+from typing import Any
 
 from tokenfleet.batcher import Batcher
 from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.core.admission import Admission, Limits
+from tokenfleet.core.grammar import Grammars
 from tokenfleet.core.interface import ModelFacts
 from tokenfleet.core.sequence import SeqState
-from tokenfleet.protocol import Refusal
+from tokenfleet.protocol import ErrorCode, Refusal, Request
 
 
 class CoreFront:
@@ -30,6 +32,21 @@ class CoreFront:
         self.config = batching
         self.admission = Admission(limits)
         self.batcher = Batcher(batching, clock)
+        self.grammars = Grammars(facts.tokenizer, facts.vocab_size, facts.eos_token_ids)
+
+    def output_constraint(self, request: Request) -> Any:
+        """The grammar state the request's output must follow (None without a ``response_format``),
+        or a :class:`Refusal` when its output controls cannot work with this model."""
+        vocab = self.facts.vocab_size
+        outside = [token for token, _ in request.logit_bias if token >= vocab]
+        if outside:
+            return Refusal(
+                ErrorCode.INVALID_REQUEST,
+                f"logit_bias names token {outside[0]}, outside the model's vocabulary of {vocab}",
+            )
+        if request.response_format is None:
+            return None
+        return self.grammars.matcher(request.response_format)
 
     def add(self, seq: SeqState, arrived: float) -> Refusal | None:
         """Queue a sequence (``arrived``: monotonic time it entered the queue, for max_wait_ms);

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from tokenfleet.core.admission import Admission
 from tokenfleet.core.sequence import SeqState
-from tokenfleet.protocol import Refusal
+from tokenfleet.protocol import Refusal, Request, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -27,17 +27,18 @@ class TokenOutput:
     index: int  # position of ``token_id`` among the generated tokens
     token_id: int
     text: str
+    logprob: TokenLogprob | None = None  # where the request asked for logprobs
 
     @property
     def finished(self) -> bool:
         return self.seq.finished
 
     @classmethod
-    def append(cls, seq: SeqState, token_id: int) -> TokenOutput:
+    def append(cls, seq: SeqState, token_id: int, logprob: TokenLogprob | None = None) -> TokenOutput:
         """Append a token a backend chose to its sequence: the one place where a token becomes
         text, a stop string cuts it or a finish reason ends it, whatever the backend."""
         seq.append(token_id)
-        return cls(seq, len(seq.generated) - 1, token_id, seq.take_text_delta())
+        return cls(seq, len(seq.generated) - 1, token_id, seq.take_text_delta(), logprob)
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,11 @@ class EngineCore(Protocol):
     backend: str  # "native" or "vllm", for logs, the heartbeat and ``tokenfleet status``
     facts: ModelFacts
     admission: Admission
+
+    def output_constraint(self, request: Request) -> Any:
+        """The grammar state a request's output must follow (None: unconstrained), or the
+        :class:`Refusal` of output controls this core cannot honour."""
+        ...
 
     def add(self, seq: SeqState, arrived: float) -> Refusal | None:
         """Queue a sequence (``arrived``: monotonic time it entered the queue, for max_wait_ms);

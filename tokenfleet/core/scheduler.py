@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Hashable
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from tokenfleet.batcher import Batcher, PendingRequest
@@ -21,6 +21,7 @@ from tokenfleet.core.interface import TokenOutput
 from tokenfleet.core.lanes import PreemptedQueue, pick_victim, victims_for
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.kvcache.allocator import BlockAllocator
+from tokenfleet.protocol import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -241,20 +242,26 @@ class Scheduler:
 
     # -- after the forward pass -----------------------------------------------------------------
 
-    def postprocess(self, batch: PrefillBatch | DecodeBatch, tokens: list[int | None]) -> Advanced:
-        """Append each sequence's token; finished sequences leave, their blocks freed; a row
-        without a token (it could not be sampled) leaves as failed."""
+    def postprocess(
+        self,
+        batch: PrefillBatch | DecodeBatch,
+        tokens: list[int | None],
+        logprobs: Sequence[TokenLogprob | None] | None = None,
+    ) -> Advanced:
+        """Append each sequence's token (with its logprobs, where asked); finished sequences
+        leave, their blocks freed; a row without a token (it could not be sampled) leaves as
+        failed."""
         if isinstance(batch, DecodeBatch):
             for seq in batch.seqs:
                 seq.decode_steps += 1
                 seq.batch_size_sum += len(batch.seqs)
         outputs, failed = [], []
-        for seq, token in zip(batch.seqs, tokens):
+        for row, (seq, token) in enumerate(zip(batch.seqs, tokens)):
             if token is None:
                 self._release(seq)
                 failed.append((seq, seq.sampling_error or "no token was chosen"))
                 continue
-            outputs.append(TokenOutput.append(seq, token))
+            outputs.append(TokenOutput.append(seq, token, logprobs[row] if logprobs else None))
             if seq.finished:
                 self._release(seq)
         return Advanced(outputs, failed)

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenfleet.protocol import FinishReason, Request
+from tokenfleet.protocol import FinishReason, Request, TokenLogprob
 
 
 class Detokenizer:
@@ -72,6 +72,8 @@ class SeqState:
     unsent_ids: list[int] = field(default_factory=list)  # made but not yet published (coalescing)
     unsent_text: str = ""
     last_sent_at: float = 0.0  # monotonic time of the last token event
+    unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
+    matcher: Any = None  # the output's grammar state (llguidance), for a ``response_format``
 
     def __post_init__(self) -> None:
         self.detok = Detokenizer(self.tokenizer)
@@ -101,7 +103,8 @@ class SeqState:
         return self.finish_reason is not None
 
     def append(self, token_id: int) -> None:
-        """Add one generated token and decide whether the sequence is finished."""
+        """Add one generated token and decide whether the sequence is finished (the grammar, if
+        any, has allowed it: the logits were masked by it)."""
         now = time.time()
         if self.first_token_at is None:
             self.first_token_at = now
@@ -110,14 +113,25 @@ class SeqState:
         searched = len(self.text)
         self.text += self.detok.push(token_id)
         req = self.request
-        if (not req.ignore_eos and token_id in self.eos_ids) or token_id in req.stop_token_ids:
+        grammar_done = self.matcher is not None and self._grammar_done(token_id)
+        if (
+            grammar_done
+            or (not req.ignore_eos and token_id in self.eos_ids)
+            or token_id in req.stop_token_ids
+        ):
             self.finish_reason = FinishReason.STOP
         elif len(self.generated) >= req.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH
         if self.finish_reason is not None:
             self.text += self.detok.flush()
-        if req.stop and self._cut_at_stop_string(searched):
+        if req.stop and len(self.generated) > req.min_tokens and self._cut_at_stop_string(searched):
             self.finish_reason = FinishReason.STOP
+
+    def _grammar_done(self, token_id: int) -> bool:
+        """Feed the token to the grammar; True once the grammar allows nothing more (its end,
+        or EOS taken where it accepts)."""
+        self.matcher.consume_token(token_id)
+        return bool(self.matcher.is_stopped() or self.matcher.is_error())
 
     def _cut_at_stop_string(self, searched: int) -> bool:
         """Cut the text before the first stop string; only text after ``searched`` (minus the
@@ -136,6 +150,8 @@ class SeqState:
         for token_id in token_ids:
             self.generated.append(token_id)
             self.text += self.detok.push(token_id)
+        if self.matcher is not None and token_ids:  # the grammar goes on from where it stopped
+            self.matcher.consume_tokens(token_ids)
         self.sent_text_len = min(len(self.text), sum(len(t) for t in sent_texts))
         self.resumed_tokens = len(token_ids)
         if len(self.generated) >= self.request.max_new_tokens:

@@ -108,6 +108,9 @@ class Admitter:
         ids = refusal or self._tokens(request)
         if isinstance(ids, Refusal):
             return ids
+        matcher = self.core.output_constraint(request)  # a cached compile, or a bounded one
+        if isinstance(matcher, Refusal):
+            return matcher
         facts = self.core.facts
         return SeqState(
             key=entry.key,
@@ -116,6 +119,7 @@ class Admitter:
             tokenizer=facts.tokenizer,
             eos_ids=facts.eos_token_ids,
             enqueued_wall=_enqueued_wall(entry, request),
+            matcher=matcher,
         )
 
     def _tokens(self, request: Request, largest_bucket: int | None = None) -> list[int] | Refusal:

@@ -48,6 +48,8 @@ class Publisher:
                 m.token_gap(seq.last_token_at - seq.prev_token_at)
             seq.unsent_ids.append(out.token_id)
             seq.unsent_text += out.text
+            if out.logprob is not None:
+                seq.unsent_logprobs.append(out.logprob)
             if first or out.finished or now - seq.last_sent_at >= self.interval_s:
                 self._send_tokens(seq, now)
             if out.finished:
@@ -113,10 +115,11 @@ class Publisher:
         req = seq.request
         index = len(seq.generated) - len(seq.unsent_ids)
         # the event that creates the stream sets its TTL
+        logprobs = seq.unsent_logprobs if req.logprobs is not None else None
         self.outbox.event(
             req.id,
-            TokenEvent(index, seq.unsent_ids, seq.unsent_text),
+            TokenEvent(index, seq.unsent_ids, seq.unsent_text, logprobs),
             req.reply_ttl_s if index == 0 else None,
         )
-        seq.unsent_ids, seq.unsent_text = [], ""
+        seq.unsent_ids, seq.unsent_text, seq.unsent_logprobs = [], "", []
         seq.last_sent_at = time.monotonic() if now is None else now

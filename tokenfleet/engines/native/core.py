@@ -20,6 +20,7 @@ from tokenfleet.core.interface import BatchEvent, Capacity, ModelFacts, StepOutp
 from tokenfleet.core.scheduler import DecodeBatch, PrefillBatch, Scheduler
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.kvcache.allocator import BlockAllocator
+from tokenfleet.protocol import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,15 @@ class PrefillResult:
     logits: Any
     computed_tokens: int
     forwards: int
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """A step's token for each row (None: the row could not be sampled, ``sampling_error`` says
+    why) and its logprobs where the request asked for them."""
+
+    tokens: list[int | None]
+    logprobs: list[TokenLogprob | None]
 
 
 class Runner(Protocol):
@@ -47,7 +57,9 @@ class Runner(Protocol):
 
     def decode(self, tables: list[list[int]], lengths: list[int], last_tokens: list[int]) -> Any: ...
 
-    def choose_tokens(self, logits: Any, seqs: list[SeqState]) -> list[int | None]: ...
+    def start_masks(self, seqs: list[SeqState]) -> Any: ...
+
+    def choose_tokens(self, logits: Any, seqs: list[SeqState], masks: Any) -> Chosen: ...
 
 
 class NativeCore(CoreFront):
@@ -125,10 +137,11 @@ class NativeCore(CoreFront):
         requests without waiting for their batch to be due (shutdown)."""
         scheduled = self.scheduler.schedule(flush)
         batch = scheduled.batch
+        if batch is None:
+            return StepOutput(preempted=scheduled.preempted)
+        masks = self.runner.start_masks(batch.seqs)  # grammar masks fill while the model runs
         try:
             match batch:
-                case None:
-                    return StepOutput(preempted=scheduled.preempted)
                 case PrefillBatch():
                     result = self.runner.prefill(batch.tables, batch.token_lists, batch.cached)
                     logits, event = result.logits, prefill_event(batch, result)
@@ -139,7 +152,8 @@ class NativeCore(CoreFront):
             self.allocator.forget_unconfirmed()  # blocks this step was to fill hold no K/V
             raise
         self.allocator.confirm()
-        advanced = self.scheduler.postprocess(batch, self.runner.choose_tokens(logits, batch.seqs))
+        chosen = self.runner.choose_tokens(logits, batch.seqs, masks)
+        advanced = self.scheduler.postprocess(batch, chosen.tokens, chosen.logprobs)
         return StepOutput(advanced.tokens, scheduled.preempted, advanced.failed, [event])
 
     def abort(self, keys: Collection[Hashable]) -> list[SeqState]:

@@ -25,6 +25,7 @@ from tokenfleet.core.interface import BatchEvent, Capacity, ModelFacts, StepOutp
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.core.vocab import eos_token_ids, max_token_chars
 from tokenfleet.engines.vllm.args import engine_args
+from tokenfleet.protocol import ErrorCode, Refusal, Request
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,27 @@ class VllmCore(CoreFront):
         self.prefix_cache_hits = 0  # ... of which its prefix cache held the K/V (its num_cached_tokens)
         self._first_output: set[str] = set()  # handed over, no output yet: its cache hits not counted
         self._active: dict[str, SeqState] = {}  # handed to vLLM, by vLLM request id, in order
+
+    def output_constraint(self, request: Request) -> Any:
+        """Output controls do not reach vLLM yet: refused by name, never silently ignored."""
+        asked = [
+            name
+            for name, used in (
+                ("response_format", request.response_format is not None),
+                ("logprobs", request.logprobs is not None),
+                ("logit_bias", bool(request.logit_bias)),
+                ("min_tokens", request.min_tokens > 0),
+                ("presence_penalty", request.presence_penalty != 0.0),
+                ("frequency_penalty", request.frequency_penalty != 0.0),
+                ("repetition_penalty", request.repetition_penalty != 1.0),
+            )
+            if used
+        ]
+        if asked:
+            return Refusal(
+                ErrorCode.INVALID_REQUEST, f"the vllm backend does not support {', '.join(asked)} yet"
+            )
+        return None
 
     @classmethod
     def from_config(cls, config: WorkerConfig) -> VllmCore:

@@ -1,0 +1,187 @@
+"""Logprobs, penalties, ``logit_bias`` and ``min_tokens`` in the native engine, against Hugging
+Face's own logits processors and ``log_softmax`` of its float32 logits on the same inputs."""
+
+import time
+
+import pytest
+import torch
+from conftest import TEST_DEVICE
+from transformers.generation.logits_process import (
+    LogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+)
+
+from tokenfleet.config import DynamicBatchingConfig
+from tokenfleet.core.sequence import SeqState
+from tokenfleet.engines.native.core import NativeCore
+from tokenfleet.engines.native.logits_process import process_logits, token_logprobs
+from tokenfleet.protocol import Request
+
+PROMPTS = ["The capital of France is", "One, two, three,", "hello hello hello", "a b c d e f g"]
+
+
+def seq_of(engine, i, prompt_ids, **params):
+    request = Request(id=f"r{i}", input_ids=tuple(prompt_ids), **params)
+    return SeqState(f"r{i}", request, list(prompt_ids), engine.tokenizer, engine.eos_token_ids, time.time())
+
+
+def run(engine, seqs):
+    """Run ``seqs`` to the end in one core; returns each one's logprobs, by request id."""
+    cfg = DynamicBatchingConfig(
+        max_wait_ms=0, max_batch_size=8, max_seq_len=256, buckets=(32,), mode="continuous"
+    )
+    core = NativeCore(engine, cfg, clock=lambda: 1e9)
+    logprobs: dict[str, list] = {}
+    for seq in seqs:
+        assert core.add(seq, 0.0) is None
+    for _ in range(500):
+        output = core.step()
+        assert not output.failed
+        for out in output.tokens:
+            logprobs.setdefault(out.seq.request.id, []).append(out.logprob)
+        if all(seq.finished for seq in seqs):
+            break
+    assert all(seq.finished for seq in seqs)
+    core.check_idle()
+    return logprobs
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's frequency and presence penalties, written from their definition, per row."""
+
+    def __init__(self, prompt_len, frequency, presence):
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        for token in set(input_ids[0, self.prompt_len :].tolist()):
+            count = input_ids[0, self.prompt_len :].tolist().count(token)
+            scores[0, token] -= count * self.frequency + self.presence
+        return scores
+
+
+def hf_generate(reference, prompt_ids, max_new_tokens, processors=(), **kwargs):
+    from transformers import LogitsProcessorList
+
+    ids = torch.tensor([prompt_ids], device=TEST_DEVICE)
+    with torch.inference_mode():
+        out = reference.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            min_new_tokens=max_new_tokens,
+            logits_processor=LogitsProcessorList(processors),
+            **kwargs,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def test_logprobs_equal_log_softmax_of_hf_float32_logits(engine, reference):
+    seqs = [
+        seq_of(engine, i, reference.ids(p), max_new_tokens=6, ignore_eos=True, logprobs=5)
+        for i, p in enumerate(PROMPTS)
+    ]
+    plain = seq_of(engine, 9, reference.ids(PROMPTS[0]), max_new_tokens=6, ignore_eos=True)
+    logprobs = run(engine, [*seqs, plain])
+    assert set(logprobs["r9"]) == {None}  # a row that did not ask gets none
+    for seq in seqs:
+        full = torch.tensor([seq.prompt_ids + seq.generated], device=TEST_DEVICE)
+        with torch.inference_mode():
+            logits = reference.model(full).logits[0].float()
+        expected = torch.log_softmax(logits, dim=-1)[len(seq.prompt_ids) - 1 : -1]
+        assert len(seq.generated) == 6
+        lps = logprobs[seq.request.id]
+        for pos, (token, lp) in enumerate(zip(seq.generated, lps)):
+            assert lp.logprob == pytest.approx(expected[pos, token].item(), abs=1e-4)
+            top_values, top_ids = expected[pos].topk(5)
+            assert [t for t, _ in lp.top] == top_ids.tolist()
+            assert [v for _, v in lp.top] == pytest.approx(top_values.tolist(), abs=1e-4)
+    assert seqs[0].generated == plain.generated  # asking for logprobs changes no token
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_equals_hf_generate(engine, reference, penalty):
+    prompts = [reference.ids(p) for p in PROMPTS]
+    seqs = [
+        seq_of(engine, i, ids, max_new_tokens=12, ignore_eos=True, repetition_penalty=penalty)
+        for i, ids in enumerate(prompts)
+    ]
+    run(engine, seqs)
+    for seq, ids in zip(seqs, prompts):
+        assert seq.generated == hf_generate(reference, ids, 12, repetition_penalty=penalty)
+    plain = [reference.greedy(ids, 12, ignore_eos=True) for ids in prompts]
+    assert [s.generated for s in seqs] != plain, "the penalty changed nothing: the test proves nothing"
+
+
+def test_frequency_and_presence_penalties_and_bias_equal_hf_with_their_processors(engine, reference):
+    prompts = [reference.ids(p) for p in PROMPTS]
+    bias = {int(prompts[0][-1]): 5.0, 7: -100.0}
+    cases = [
+        dict(frequency_penalty=1.5),
+        dict(presence_penalty=2.0),
+        dict(frequency_penalty=0.5, presence_penalty=-1.0, logit_bias=tuple(sorted(bias.items()))),
+        dict(),  # an unprocessed row beside processed ones
+    ]
+    seqs = [
+        seq_of(engine, i, ids, max_new_tokens=10, ignore_eos=True, **case)
+        for i, (ids, case) in enumerate(zip(prompts, cases))
+    ]
+    run(engine, seqs)
+    for seq, ids, case in zip(seqs, prompts, cases):
+        processors = [
+            OpenAIPenalties(len(ids), case.get("frequency_penalty", 0.0), case.get("presence_penalty", 0.0))
+        ]
+        if "logit_bias" in case:
+            processors.insert(0, SequenceBiasLogitsProcessor({(t,): b for t, b in case["logit_bias"]}))
+        assert seq.generated == hf_generate(reference, ids, 10, processors), case
+
+
+def test_processing_equals_hf_processors_on_the_same_logits(engine):
+    torch.manual_seed(0)
+    vocab = engine.vocab_size
+    logits = torch.randn(3, vocab) * 4
+    prompt = [5, 9, 9, 40]
+    rows = [
+        seq_of(engine, 0, prompt, repetition_penalty=1.7, max_new_tokens=8),
+        seq_of(engine, 1, prompt, min_tokens=4, max_new_tokens=8, stop_token_ids=(11,)),
+        seq_of(engine, 2, prompt, logit_bias=((3, 2.5), (4, -7.0)), max_new_tokens=8),
+    ]
+    for seq in rows:
+        seq.generated = [9, 12, 12]
+    ours = logits.clone()
+    assert process_logits(ours, rows, None) == []
+    history = torch.tensor([prompt + [9, 12, 12]])
+    eos = sorted(engine.eos_token_ids)
+    expected = [
+        RepetitionPenaltyLogitsProcessor(1.7)(history, logits[0:1].clone()),
+        MinNewTokensLengthLogitsProcessor(len(prompt), 4, eos + [11])(history, logits[1:2].clone()),
+        SequenceBiasLogitsProcessor({(3,): 2.5, (4,): -7.0})(history, logits[2:3].clone()),
+    ]
+    for row, want in enumerate(expected):
+        assert torch.equal(ours[row : row + 1], want), row
+    rows[1].generated = [1, 2, 3, 4]  # min_tokens reached: EOS allowed again
+    again = logits.clone()
+    process_logits(again, rows, None)
+    assert torch.equal(again[1], logits[1])
+
+
+def test_min_tokens_holds_back_eos_until_reached(engine, reference):
+    ids = reference.ids(PROMPTS[1])
+    first = reference.greedy(ids, 1)[0]  # the token greedy picks first: call it the end
+    seq = seq_of(engine, 0, ids, max_new_tokens=8, min_tokens=3, stop_token_ids=(first,))
+    run(engine, [seq])
+    assert len(seq.generated) >= 3 and first not in seq.generated[:3]
+
+
+def test_logprobs_of_a_sampled_row_come_from_its_tempered_distribution(engine):
+    logits = torch.randn(2, engine.vocab_size)
+    seqs = [seq_of(engine, i, [1, 2], logprobs=2, temperature=t) for i, t in enumerate((0.5, 0.0))]
+    out = token_logprobs(logits, seqs, [3, 4])
+    tempered = torch.log_softmax(logits[0].double() / 0.5, -1)
+    assert out[0].logprob == pytest.approx(tempered[3].item())
+    assert out[1].logprob == pytest.approx(torch.log_softmax(logits[1].double(), -1)[4].item())
+    assert [t for t, _ in out[0].top] == tempered.topk(2).indices.tolist()

@@ -1,0 +1,242 @@
+"""Structured outputs on a real model (SmolLM2) through a real worker and Redis: JSON under ten
+schemas, regexes and a Lark grammar always validate, batched with unconstrained requests that
+still equal ``model.generate``; a grammar that cannot compile is refused with its own code,
+costing its batch-mates nothing."""
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import pytest
+from conftest import RunningWorker
+
+from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
+from tokenfleet.core.vocab import render_chat
+from tokenfleet.errors import RequestFailed
+from tokenfleet.producer import Client
+from tokenfleet.protocol import ErrorCode
+
+pytestmark = pytest.mark.integration
+
+SHORT = {"type": "string", "maxLength": 24}
+SCHEMAS = [
+    {"properties": {"name": SHORT, "age": {"type": "integer", "minimum": 0, "maximum": 120}}},
+    {"properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]}}},
+    {"properties": {"tags": {"type": "array", "items": SHORT, "minItems": 1, "maxItems": 4}}},
+    {
+        "properties": {
+            "address": {
+                "type": "object",
+                "properties": {"city": SHORT, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["city", "zip"],
+                "additionalProperties": False,
+            }
+        }
+    },
+    {"properties": {"done": {"type": "boolean"}, "count": {"type": "integer", "minimum": 0, "maximum": 999}}},
+    {"properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}}},
+    {
+        "properties": {
+            "items": {
+                "type": "array",
+                "maxItems": 3,
+                "items": {
+                    "type": "object",
+                    "properties": {"name": SHORT, "qty": {"type": "integer", "minimum": 1, "maximum": 99}},
+                    "required": ["name", "qty"],
+                    "additionalProperties": False,
+                },
+            }
+        }
+    },
+    {"properties": {"celsius": {"type": "integer", "minimum": -50, "maximum": 50}}},
+    {"properties": {"value": {"anyOf": [SHORT, {"type": "integer", "minimum": 0, "maximum": 9}]}}},
+    {"properties": {"kind": {"const": "event"}, "note": {"type": ["string", "null"], "maxLength": 20}}},
+]
+for schema in SCHEMAS:  # every property required, nothing else allowed: a complete answer each time
+    schema.update(type="object", required=list(schema["properties"]), additionalProperties=False)
+
+QUESTIONS = [
+    "Describe a person.",
+    "How do you feel about rainy days?",
+    "Tag this article about football.",
+    "Where is the Eiffel Tower?",
+    "Is the task finished? How many steps?",
+    "Give a product code.",
+    "List what to buy for a cake.",
+    "How warm is it in Paris today?",
+    "Pick a value.",
+    "Log an event.",
+]
+
+
+@pytest.fixture(scope="module")
+def runner(smollm2):
+    from tokenfleet.engines.native.runner import ModelRunner
+
+    return ModelRunner(smollm2, device="cpu", dtype="float32", kv=KVCacheConfig(num_blocks=1024))
+
+
+def chat_ids(tokenizer, text):
+    return render_chat(tokenizer, [{"role": "user", "content": text + " Answer in JSON."}])
+
+
+def test_json_under_ten_schemas_validates_and_batch_mates_equal_generate(runner, smollm2, redis_url, prefix):
+    from conftest import Reference
+
+    reference = Reference(smollm2)
+    batching = DynamicBatchingConfig(max_wait_ms=50, max_batch_size=32, max_seq_len=512, buckets=(64, 128))
+    plain_questions = ["What is the capital of France?", "Name a primary color.", "Say hi.", "Count to five."]
+    with (
+        RunningWorker(runner, redis_url, prefix, batching) as worker,
+        Client(redis_url, prefix=prefix) as client,
+    ):
+        submitted = []  # (schema, handle), or (the prompt's ids, handle) for an unconstrained one
+        for n in range(200):  # ten schemas x twenty: half greedy, half sampled with seeds
+            schema, question = SCHEMAS[n % 10], QUESTIONS[n % 10]
+            sampling = {"temperature": 0.9, "seed": n} if n % 2 else {}
+            fmt = {"type": "json_schema", "json_schema": {"name": f"s{n % 10}", "schema": schema}}
+            ids = chat_ids(runner.tokenizer, question if n < 20 else f"{question} (case {n})")
+            submitted.append(
+                (schema, client.submit(input_ids=ids, max_new_tokens=160, response_format=fmt, **sampling))
+            )
+            if n % 50 == 0:  # unconstrained batch-mates among them
+                for q in plain_questions:
+                    ids = chat_ids(runner.tokenizer, q)
+                    plain = client.submit(input_ids=ids, max_new_tokens=24)
+                    submitted.append((ids, plain))
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda item: (item[0], item[1].result(timeout=900)), submitted))
+        worker.assert_healthy()
+    checked = plain_checked = 0
+    for schema, got in results:
+        if isinstance(schema, list):  # unconstrained: exactly model.generate's tokens
+            assert got.token_ids == reference.greedy(schema, 24)
+            plain_checked += 1
+            continue
+        assert got.finish_reason == "stop", got.text
+        jsonschema.validate(json.loads(got.text), schema)
+        checked += 1
+    assert checked == 200 and plain_checked == 16
+
+
+def test_regex_and_lark_grammar_outputs_match(runner, redis_url, prefix):
+    batching = DynamicBatchingConfig(max_wait_ms=20, max_batch_size=8, max_seq_len=512, buckets=(64, 128))
+    lark = 'start: "The answer is " ANSWER "."\nANSWER: "yes" | "no"'
+    with RunningWorker(runner, redis_url, prefix, batching), Client(redis_url, prefix=prefix) as client:
+        ids = chat_ids(runner.tokenizer, "Give a date.")
+        date = client.submit(
+            input_ids=ids,
+            max_new_tokens=20,
+            response_format={"type": "regex", "regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"},
+        )
+        answer = client.submit(
+            input_ids=ids, max_new_tokens=20, response_format={"type": "grammar", "grammar": lark}
+        )
+        date_text, answer_text = date.result(timeout=120).text, answer.result(timeout=120).text
+    import re
+
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", date_text), date_text
+    assert answer_text in ("The answer is yes.", "The answer is no."), answer_text
+
+
+def test_a_grammar_that_cannot_compile_is_refused_alone(runner, redis_url, prefix):
+    batching = DynamicBatchingConfig(max_wait_ms=50, max_batch_size=8, max_seq_len=512, buckets=(64, 128))
+    with (
+        RunningWorker(runner, redis_url, prefix, batching) as worker,
+        Client(redis_url, prefix=prefix) as client,
+    ):
+        ids = chat_ids(runner.tokenizer, "Say hi.")
+        bad_regex = client.submit(input_ids=ids, response_format={"type": "regex", "regex": "(unclosed"})
+        bad_lark = client.submit(
+            input_ids=ids, response_format={"type": "grammar", "grammar": "start: undefined_rule"}
+        )
+        bad_schema = client.submit(
+            input_ids=ids,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"schema": {"type": "string", "pattern": "(("}},
+            },
+        )
+        good = client.submit(input_ids=ids, max_new_tokens=8)
+        for handle in (bad_regex, bad_lark, bad_schema):
+            with pytest.raises(RequestFailed) as failed:
+                handle.result(timeout=60)
+            assert failed.value.code == ErrorCode.INVALID_GRAMMAR, failed.value
+        assert good.result(timeout=60).usage["completion_tokens"] >= 1
+        worker.assert_healthy()
+
+
+LONG_JSON = {
+    "type": "object",
+    "properties": {"steps": {"type": "array", "items": SHORT, "minItems": 12, "maxItems": 12}},
+    "required": ["steps"],
+    "additionalProperties": False,
+}
+
+
+def test_a_constrained_request_resumed_after_kill_9_still_validates(runner, smollm2, redis_url, prefix, r):
+    """The worker streaming three constrained requests is killed -9; another takes them over, feeds
+    the streamed tokens back into each one's grammar and goes on: every output validates, its
+    reply stream has no gap and no repeat."""
+    import signal
+    import subprocess
+    import time
+
+    from conftest import worker_process
+
+    from tokenfleet import protocol
+    from tokenfleet.protocol import Keys
+
+    keys = Keys(prefix)
+
+    def events(request_id):
+        return [protocol.decode_event(f) for _, f in r.xrange(keys.reply_stream(request_id))]
+
+    first = worker_process(
+        smollm2,
+        redis_url,
+        prefix,
+        "--buckets",
+        "64,128",
+        "--max-wait-ms",
+        "50",
+        "--claim-idle-ms",
+        "1000",
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    fmt = {"type": "json_schema", "json_schema": {"schema": LONG_JSON}}
+    try:
+        with Client(redis_url, prefix=prefix, buckets=[64, 128]) as client:
+            handles = [
+                client.submit(
+                    input_ids=chat_ids(runner.tokenizer, f"List twelve steps to {task}."),
+                    max_new_tokens=400,
+                    response_format=fmt,
+                    **({"temperature": 0.8, "seed": 7} if task == "paint a wall" else {}),
+                )
+                for task in ("bake bread", "paint a wall", "plant a tree")
+            ]
+            deadline = time.monotonic() + 180
+            while not all(r.xlen(keys.reply_stream(h.id)) >= 5 for h in handles):
+                assert time.monotonic() < deadline, "the first worker never streamed"
+                time.sleep(0.01)
+            first.send_signal(signal.SIGKILL)
+            first.wait(10)
+            assert not any(events(h.id)[-1].terminal for h in handles), "one ended before the kill"
+            batching = DynamicBatchingConfig(
+                max_wait_ms=20, max_batch_size=8, max_seq_len=512, buckets=(64, 128)
+            )
+            with RunningWorker(runner, redis_url, prefix, batching, claim_idle_ms=1000) as second:
+                results = [h.result(timeout=300) for h in handles]
+                assert second.worker.reclaimed == len(handles)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    for handle, result in zip(handles, results):
+        jsonschema.validate(json.loads(result.text), LONG_JSON)
+        tokens = [e for e in events(handle.id) if e.type == "token"]
+        assert [e.index for e in tokens] == [sum(len(t.ids) for t in tokens[:i]) for i in range(len(tokens))]
+        assert [t for e in tokens for t in e.ids] == result.token_ids  # no gap, no repeat
+        assert [e.type for e in events(handle.id) if e.type != "token"] == ["done"]
