@@ -185,3 +185,25 @@ def test_logprobs_of_a_sampled_row_come_from_its_tempered_distribution(engine):
     assert out[0].logprob == pytest.approx(tempered[3].item())
     assert out[1].logprob == pytest.approx(torch.log_softmax(logits[1].double(), -1)[4].item())
     assert [t for t, _ in out[0].top] == tempered.topk(2).indices.tolist()
+
+
+def test_object_schemas_that_list_their_properties_take_no_others():
+    from tokenfleet.core.grammar import closed_objects
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object", "properties": {"a": {"type": "string"}}},  # a field so named
+            "open": {"type": "object", "properties": {}, "additionalProperties": True},
+            "list": {"type": "array", "items": {"properties": {"b": {}}}},
+        },
+        "$defs": {"Inner": {"anyOf": [{"properties": {"c": {}}}, {"type": "null"}]}},
+    }
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    inner = closed["properties"]
+    assert inner["properties"]["additionalProperties"] is False and "additionalProperties" not in inner
+    assert inner["open"]["additionalProperties"] is True
+    assert inner["list"]["items"]["additionalProperties"] is False
+    assert closed["$defs"]["Inner"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is left as it was

@@ -74,7 +74,8 @@ class Grammars:
             if fmt.type == "json_object":
                 grammar = Matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
             elif fmt.type == "json_schema":
-                grammar = Matcher.grammar_from_json_schema(json.loads(fmt.source), defaults=JSON_OPTIONS)
+                schema = closed_objects(json.loads(fmt.source))
+                grammar = Matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             elif fmt.type == "regex":
                 grammar = Matcher.grammar_from_regex(fmt.source)
             else:
@@ -88,3 +89,29 @@ class Grammars:
                 ErrorCode.INVALID_GRAMMAR, f"response_format {fmt.type} cannot be compiled: {error}"
             )
         return matcher
+
+
+_SUBSCHEMA = ("items", "additionalItems", "not", "if", "then", "else", "contains", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists its
+    properties and says nothing of others: a model asked for a pydantic model's fields gets those
+    fields alone (OpenAI's strict mode; vLLM's ``disable-additional-properties``)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(item) for item in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    return out
