@@ -261,3 +261,55 @@ def test_worker_on_a_directory_that_is_not_a_model_says_so(tmp_path):
     out = CliRunner().invoke(main, ["worker", "--model", str(tmp_path)])
     assert out.exit_code == 1 and "is not a Hugging Face model directory" in out.output
     assert "tokenizer" in out.output and "Traceback" not in out.output
+
+
+def test_submit_with_a_schema_or_regex_and_logprobs(run_worker, redis_url, prefix, model_path, tmp_path):
+    import re
+
+    from tokenfleet.config import DynamicBatchingConfig
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": ["n"],
+                "additionalProperties": False,
+            }
+        )
+    )
+    env = {"REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix}
+    with run_worker(DynamicBatchingConfig(max_wait_ms=5, max_batch_size=4, max_seq_len=256, buckets=(64,))):
+        by_regex = tf(
+            "submit",
+            "--model",
+            str(model_path),
+            "--regex",
+            "[0-9]{3}",
+            "--logprobs",
+            "2",
+            "--json",
+            "hi",
+            env=env,
+        )
+        by_schema = tf(
+            "submit",
+            "--model",
+            str(model_path),
+            "--json-schema",
+            str(schema),
+            "--max-new-tokens",
+            "32",
+            "hi",
+            env=env,
+        )
+        both = tf("submit", "--json-schema", str(schema), "--regex", "x", "hi", env=env)
+    assert by_regex.returncode == 0, by_regex.stderr
+    result = json.loads(by_regex.stdout)
+    assert re.fullmatch("[0-9]{3}", result["text"]) and result["finish_reason"] == "stop"
+    assert len(result["logprobs"]) == len(result["token_ids"])
+    assert all(len(lp["top"]) <= 2 and lp["logprob"] <= 0 for lp in result["logprobs"])
+    assert by_schema.returncode == 0, by_schema.stderr
+    assert 0 <= json.loads(by_schema.stdout)["n"] <= 99
+    assert both.returncode != 0 and "not both" in both.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import click
@@ -36,6 +37,24 @@ def _client(redis_url: str | None, model_dir: str | None, prefix: str | None) ->
 @click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible outputs).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
+@click.option(
+    "--json-schema",
+    "json_schema",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="A JSON schema file: the output is JSON that validates against it.",
+)
+@click.option("--regex", default=None, help="A regular expression the whole output must match.")
+@click.option(
+    "--logprobs",
+    type=click.IntRange(0, 20),
+    default=None,
+    help="Report each token's logprob and this many alternatives (shown with --json).",
+)
+@click.option("--min-tokens", type=int, default=None, help="Hold back EOS and stop tokens until this many.")
+@click.option("--presence-penalty", type=float, default=None, help="OpenAI's, -2 to 2.")
+@click.option("--frequency-penalty", type=float, default=None, help="OpenAI's, -2 to 2.")
+@click.option("--repetition-penalty", type=float, default=None, help="Hugging Face's, above 0 (1: off).")
 @click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for the end.")
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the final result as JSON instead of streaming text."
@@ -57,6 +76,8 @@ def submit(
     request_id: str | None,
     detach: bool,
     stop: tuple[str, ...],
+    json_schema: str | None,
+    regex: str | None,
     **params: Any,
 ) -> None:
     """Enqueue PROMPT and stream the generated text to stdout (the request id goes to stderr at
@@ -65,6 +86,13 @@ def submit(
     handle = None
     try:
         with one_line_errors():
+            if json_schema is not None and regex is not None:
+                raise click.UsageError("give --json-schema or --regex, not both")
+            if json_schema is not None:
+                schema = json.loads(Path(json_schema).read_text())
+                params["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
+            elif regex is not None:
+                params["response_format"] = {"type": "regex", "regex": regex}
             check_tokenizer_dir(model_dir)
             with _client(redis_url, model_dir, prefix) as client:
                 handle = client.submit(prompt, request_id=request_id, **params)

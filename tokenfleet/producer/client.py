@@ -69,7 +69,10 @@ class Client(ClientBase):
         requests (set by the workers' ``--max-queue``).
 
         ``params``: ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
-        ``stop_token_ids``, ``ignore_eos``, ``deadline_ms``, ``reply_ttl_s`` (see PROTOCOL.md).
+        ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``presence_penalty``,
+        ``frequency_penalty``, ``repetition_penalty``, ``logit_bias`` (token id -> bias),
+        ``logprobs`` (top-k, 0-20), ``response_format`` (OpenAI's map, or a pydantic model class
+        for its JSON schema), ``deadline_ms``, ``reply_ttl_s`` (see PROTOCOL.md).
         """
         request = self._prepare(prompt, input_ids, request_id, params)
         stream = target_stream(self.keys, request, self.buckets())

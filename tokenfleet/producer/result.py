@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenfleet.errors import RequestFailed
-from tokenfleet.protocol import ErrorEvent, ReplyEvent, TokenEvent
+from tokenfleet.protocol import ErrorEvent, ReplyEvent, TokenEvent, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -15,6 +15,7 @@ class Chunk:
     index: int
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None  # one per token id, where the request asked
 
     def __str__(self) -> str:
         return self.text
@@ -32,6 +33,7 @@ class Result:
     timings: dict[str, float] = field(default_factory=dict)
     batch_size: int | None = None
     worker: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, where the request asked
 
 
 class ResultBuilder:
@@ -53,10 +55,14 @@ class ResultBuilder:
             have = len(self.result.token_ids)
             if event.index + len(event.ids) <= have:
                 return None
-            ids = event.ids[have - event.index :] if event.index < have else event.ids
+            skip = max(0, have - event.index)
+            ids = event.ids[skip:]
+            logprobs = event.logprobs[skip:] if event.logprobs is not None else None
             self.result.token_ids.extend(ids)
+            if logprobs is not None:
+                self.result.logprobs = (self.result.logprobs or []) + logprobs
             self._texts.append(event.text)
-            return Chunk(index=max(event.index, have), token_ids=ids, text=event.text)
+            return Chunk(index=max(event.index, have), token_ids=ids, text=event.text, logprobs=logprobs)
         self.finished = True
         if isinstance(event, ErrorEvent):
             raise RequestFailed(self.result.id, event.code, event.message)

@@ -13,7 +13,8 @@ from typing import Any
 
 from tokenfleet import protocol
 from tokenfleet.errors import QueueFull, ResultTimeout
-from tokenfleet.protocol import Keys, Request
+from tokenfleet.protocol import Keys, Request, ResponseFormat
+from tokenfleet.protocol.output_controls import parse_logit_bias, parse_response_format
 
 READ_BLOCK_MS = 1000  # longest single XREAD wait while following a reply stream
 
@@ -52,6 +53,10 @@ def build_request(
     if prompt is not None and tokenizer is not None:
         input_ids = tokenizer.encode(prompt).ids
         prompt = None
+    if params.get("response_format") is not None:
+        params["response_format"] = response_format_of(params["response_format"])
+    if params.get("logit_bias") is not None:
+        params["logit_bias"] = parse_logit_bias(dict(params["logit_bias"]))
     for name in ("stop", "stop_token_ids"):
         if isinstance(params.get(name), str):
             params[name] = (params[name],)
@@ -63,6 +68,18 @@ def build_request(
         input_ids=tuple(input_ids) if input_ids is not None else None,
         **params,
     )
+
+
+def response_format_of(value: Any) -> ResponseFormat | None:
+    """A ``response_format`` from what a caller has at hand: a :class:`ResponseFormat`, a pydantic
+    model class (its JSON schema, named after it), or OpenAI's map (``{"type": "json_schema",
+    "json_schema": {"schema": ...}}``, ``{"type": "json_object"}``, ours ``regex`` / ``grammar``)."""
+    if isinstance(value, ResponseFormat):
+        return value
+    if isinstance(value, type) and hasattr(value, "model_json_schema"):
+        spec = {"name": value.__name__, "schema": value.model_json_schema()}
+        return parse_response_format({"type": "json_schema", "json_schema": spec})
+    return parse_response_format(value)
 
 
 def target_stream(keys: Keys, request: Request, buckets: list[int]) -> str:
