@@ -5,6 +5,7 @@ time hides behind the model's. Rows without a grammar cost nothing."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,10 @@ class RowMasks:
         return bools[:, :vocab]
 
 
+PendingMasks = Future[RowMasks]
+"""Masks being filled: :meth:`GrammarMasks.collect` waits for them."""
+
+
 class GrammarMasks:
     """Fills the masks of constrained rows for one model's vocabulary."""
 
@@ -39,8 +44,10 @@ class GrammarMasks:
         self.vocab_size = vocab_size
         self._executor: Any = None  # llguidance's parallel executor, made on first use
         self._thread: ThreadPoolExecutor | None = None
+        # seconds per constrained row of each step's mask fill, newest last (benchmarks read it)
+        self.fill_s: deque[float] = deque(maxlen=4096)
 
-    def start(self, seqs: list[SeqState]) -> Future[RowMasks] | None:
+    def start(self, seqs: list[SeqState]) -> PendingMasks | None:
         """Begin filling the masks of the rows of ``seqs`` that have a grammar; None when none has."""
         rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
         if not rows:
@@ -52,6 +59,14 @@ class GrammarMasks:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         matchers = [seqs[i].matcher for i in rows]
         return self._thread.submit(self._fill, rows, matchers)
+
+    def collect(self, pending: PendingMasks | None) -> RowMasks | None:
+        """The masks :meth:`start` began (waiting for them if need be)."""
+        if pending is None:
+            return None
+        masks = pending.result()
+        self.fill_s.append(masks.fill_s / len(masks.rows))
+        return masks
 
     def _fill(self, rows: list[int], matchers: list[Any]) -> RowMasks:
         from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par

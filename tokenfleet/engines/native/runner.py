@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -28,7 +26,7 @@ from tokenfleet.engines.native.cpu_linear import linear_route, pack_for_route
 from tokenfleet.engines.native.cuda_graphs import DecodeGraphs
 from tokenfleet.engines.native.decoder import lean_decoder
 from tokenfleet.engines.native.device import select_device, select_dtype
-from tokenfleet.engines.native.grammar_masks import GrammarMasks, RowMasks
+from tokenfleet.engines.native.grammar_masks import GrammarMasks, PendingMasks
 from tokenfleet.engines.native.kv_sizing import pool_blocks
 from tokenfleet.engines.native.logits_process import choose_controlled
 from tokenfleet.engines.native.shapes import decode_buckets, prefill_padded_size
@@ -81,8 +79,6 @@ class ModelRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         self.vocab_size = cfg.vocab_size
         self.grammar_masks = GrammarMasks(self.vocab_size)
-        # seconds per constrained row of each step's mask fill, newest last (benchmarks read it)
-        self.mask_fill_s: deque[float] = deque(maxlen=4096)
         self.block_size = kv.block_size
         self.bytes_per_block = PagedKVStore.bytes_per_block(
             self.num_layers, self.num_kv_heads, self.head_dim, kv.block_size, self.dtype
@@ -152,19 +148,14 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."),
         )
 
-    def start_masks(self, seqs: list[SeqState]) -> Future[RowMasks] | None:
+    def start_masks(self, seqs: list[SeqState]) -> PendingMasks | None:
         """Start filling the grammar masks of the constrained rows of ``seqs`` (None: there are none)."""
         return self.grammar_masks.start(seqs)
 
     @torch.inference_mode()  # the logits are inference tensors, processed in place
-    def choose_tokens(
-        self, logits: torch.Tensor, seqs: list[SeqState], masks: Future[RowMasks] | None
-    ) -> Chosen:
+    def choose_tokens(self, logits: torch.Tensor, seqs: list[SeqState], masks: PendingMasks | None) -> Chosen:
         """Each row's token after its logit processing, and the logprobs asked for."""
-        row_masks = masks.result() if masks is not None else None
-        if row_masks is not None:
-            self.mask_fill_s.append(row_masks.fill_s / len(row_masks.rows))
-        return choose_controlled(logits, seqs, row_masks)
+        return choose_controlled(logits, seqs, self.grammar_masks.collect(masks))
 
     # -- forward passes -------------------------------------------------------------------------
 

@@ -1,0 +1,131 @@
+"""Constrained decoding's cost: 32 chat requests under one JSON schema against the same requests
+unconstrained, on the native engine in this process, rounds taking turns.
+
+    python -m bench.structured --model DIR --dtype bfloat16 --rounds 3
+
+Each round runs the constrained burst (all 32 at once, continuous batching, greedy), then the
+same prompts unconstrained, each held to the length its constrained twin reached (EOS ignored):
+both sides generate the same number of tokens in batches of the same shape, so the ratio of
+their tokens/s is the grammar's cost alone (mask fill, its overlap with the forward, applying
+it). Also the mask fill time per constrained sequence per step (p50 / p99, from the engine's
+own record). Prints one JSON line per round and a summary line with the host. Never a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from bench.common import code_commit, host_kind, model_or_built, percentile, pin_bf16_linear_route
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 32},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "maxLength": 32},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 4},
+        "employed": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "hobbies", "employed"],
+    "additionalProperties": False,
+}
+TOPICS = ["a painter", "a sailor", "a baker", "a pilot", "a nurse", "a farmer", "a poet", "a coder"]
+
+
+def burst(runner, batching, requests) -> tuple[list[int], float]:
+    """Serve ``requests`` at once; each one's generated token count and the wall time."""
+    from tokenfleet.core.offline import run_offline
+    from tokenfleet.core.sequence import SeqState
+    from tokenfleet.engines.native.core import NativeCore
+
+    core = NativeCore(runner, batching)
+    seqs = []
+    for i, request in enumerate(requests):
+        matcher = core.output_constraint(request)
+        assert not hasattr(matcher, "code"), matcher  # a refusal: the schema must compile
+        ids = list(request.input_ids)
+        seqs.append(
+            SeqState(i, request, ids, runner.tokenizer, runner.eos_token_ids, time.time(), matcher=matcher)
+        )
+    start = time.perf_counter()
+    run_offline(core, [(0.0, seq) for seq in seqs])
+    return [len(seq.generated) for seq in seqs], time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="model directory (default: a random small model)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
+    from tokenfleet.core.vocab import render_chat
+    from tokenfleet.engines.native.runner import ModelRunner
+    from tokenfleet.protocol import Request
+    from tokenfleet.protocol.output_controls import parse_response_format
+
+    model = model_or_built(args.model, "small")
+    pin_bf16_linear_route(args.dtype)
+    runner = ModelRunner(
+        model, dtype=args.dtype, kv=KVCacheConfig(num_blocks=64 * args.requests), max_batch_size=32
+    )
+    runner.warm_up()
+    batching = DynamicBatchingConfig(
+        mode="continuous", max_wait_ms=0, max_batch_size=32, max_seq_len=512, buckets=(256,)
+    )
+    fmt = parse_response_format({"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+    prompts = [
+        render_chat(
+            runner.tokenizer, [{"role": "user", "content": f"Describe {TOPICS[i % 8]} number {i} as JSON."}]
+        )
+        for i in range(args.requests)
+    ]
+    constrained = [
+        Request(id=f"c{i}", input_ids=tuple(ids), max_new_tokens=200, response_format=fmt)
+        for i, ids in enumerate(prompts)
+    ]
+    burst(runner, batching, constrained[:2])  # compiles the schema and llguidance's tokenizer once
+    rounds = []
+    for n in range(args.rounds):
+        runner.grammar_masks.fill_s.clear()
+        lengths, constrained_s = burst(runner, batching, constrained)
+        mask_us = [s * 1e6 for s in runner.grammar_masks.fill_s]
+        twins = [
+            Request(id=f"u{i}", input_ids=tuple(ids), max_new_tokens=length, ignore_eos=True)
+            for i, (ids, length) in enumerate(zip(prompts, lengths))
+        ]
+        twin_lengths, plain_s = burst(runner, batching, twins)
+        assert twin_lengths == lengths
+        tokens = sum(lengths)
+        row = {
+            "round": n,
+            "tokens": tokens,
+            "constrained_tok_s": round(tokens / constrained_s, 1),
+            "unconstrained_tok_s": round(tokens / plain_s, 1),
+            "ratio": round(plain_s / constrained_s, 3),
+            "mask_us_per_seq_p50": round(percentile(mask_us, 50) or 0, 1),
+            "mask_us_per_seq_p99": round(percentile(mask_us, 99) or 0, 1),
+        }
+        rounds.append(row)
+        print(json.dumps(row), flush=True)
+    summary = {
+        "bench": "structured",
+        "host": host_kind(),
+        "model": model,
+        "dtype": args.dtype,
+        "requests": args.requests,
+        "commit": code_commit(),
+        "ratio_median": statistics.median(r["ratio"] for r in rounds),
+        "mask_us_per_seq_p50_median": statistics.median(r["mask_us_per_seq_p50"] for r in rounds),
+        "mask_us_per_seq_p99_median": statistics.median(r["mask_us_per_seq_p99"] for r in rounds),
+    }
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
