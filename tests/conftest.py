@@ -435,3 +435,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         import json
 
         Path(target).write_text(json.dumps(_outcomes, indent=1, sort_keys=True))
+
+
+@pytest.fixture
+def gateways(redis_url, prefix, model_path) -> Iterator:
+    """Start `tokenfleet serve` processes with ``gateways(*flags)`` on the test's Redis and prefix
+    (the tiny model's tokenizer); each is stopped at the test's end."""
+    from gateway_process import Gateway
+
+    started: list[Gateway] = []
+
+    def start(*flags: str) -> Gateway:
+        started.append(Gateway(redis_url, prefix, str(model_path), *flags))
+        return started[-1]
+
+    yield start
+    for gateway in started:
+        gateway.stop()

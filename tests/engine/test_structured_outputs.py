@@ -240,3 +240,69 @@ def test_a_constrained_request_resumed_after_kill_9_still_validates(runner, smol
         assert [e.index for e in tokens] == [sum(len(t.ids) for t in tokens[:i]) for i in range(len(tokens))]
         assert [t for e in tokens for t in e.ids] == result.token_ids  # no gap, no repeat
         assert [e.type for e in events(handle.id) if e.type != "token"] == ["done"]
+
+
+def test_openai_parse_and_chat_logprobs_through_the_gateway(runner, smollm2, redis_url, prefix):
+    """openai-python's ``chat.completions.parse`` with a pydantic model gets a parsed object; chat
+    logprobs come in OpenAI's shape, whole and streamed, equal to each other."""
+    from gateway_process import Gateway
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    batching = DynamicBatchingConfig(max_wait_ms=5, max_batch_size=4, max_seq_len=512, buckets=(64, 128))
+    messages = [{"role": "user", "content": "Name a city in France."}]
+    with RunningWorker(runner, redis_url, prefix, batching, served_model_name="smollm2"):
+        gateway = Gateway(redis_url, prefix, smollm2)
+        try:
+            client = gateway.openai()
+            parsed = client.chat.completions.parse(model="smollm2", messages=messages, response_format=City)
+            asked = dict(
+                model="smollm2",
+                messages=messages,
+                max_tokens=12,
+                temperature=0,
+                logprobs=True,
+                top_logprobs=2,
+            )
+            whole = client.chat.completions.create(**asked)
+            streamed = list(client.chat.completions.create(**asked, stream=True))
+        finally:
+            gateway.stop()
+    city = parsed.choices[0].message.parsed
+    assert isinstance(city, City) and city.name and city.country
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    assert "".join(c.token for c in content) == whole.choices[0].message.content + "<|im_end|>" * (
+        whole.choices[0].finish_reason == "stop"
+    )
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.logprob - 1e-9 for c in content)
+    chunked = [
+        c for k in streamed if k.choices and k.choices[0].logprobs for c in k.choices[0].logprobs.content
+    ]
+    assert [c.token for c in chunked] == [c.token for c in content]
+    assert [c.logprob for c in chunked] == pytest.approx([c.logprob for c in content])
+
+
+def test_langchain_structured_output_through_the_gateway(runner, smollm2, redis_url, prefix):
+    """LangChain's ``with_structured_output`` (its default: OpenAI's json_schema) gets a valid
+    pydantic object from SmolLM2 through `tokenfleet serve`."""
+    from gateway_process import Gateway
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        city: str
+        confident: bool
+
+    batching = DynamicBatchingConfig(max_wait_ms=5, max_batch_size=4, max_seq_len=512, buckets=(64, 128))
+    with RunningWorker(runner, redis_url, prefix, batching, served_model_name="smollm2"):
+        gateway = Gateway(redis_url, prefix, smollm2)
+        try:
+            llm = ChatOpenAI(model="smollm2", base_url=gateway.url + "/v1", api_key="unused", temperature=0)
+            answer = llm.with_structured_output(Answer).invoke("What is the capital of France?")
+        finally:
+            gateway.stop()
+    assert isinstance(answer, Answer) and answer.city

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from gateway_process import Gateway
 
 from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.producer import Client
@@ -23,19 +22,6 @@ pytestmark = pytest.mark.integration
 
 BATCHING = DynamicBatchingConfig(max_wait_ms=10, max_batch_size=32, max_seq_len=256, buckets=(16, 32, 64))
 MODEL = "tiny"
-
-
-@pytest.fixture
-def gateways(redis_url, prefix, model_path) -> Iterator:
-    started: list[Gateway] = []
-
-    def start(*flags: str) -> Gateway:
-        started.append(Gateway(redis_url, prefix, str(model_path), *flags))
-        return started[-1]
-
-    yield start
-    for gateway in started:
-        gateway.stop()
 
 
 def sse_events(lines: Iterator[str]) -> Iterator[tuple[str | None, str]]:

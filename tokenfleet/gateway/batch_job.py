@@ -10,7 +10,9 @@ from typing import Any
 
 from tokenfleet.errors import RequestFailed
 from tokenfleet.producer.bulk import BULK_LANE, DEFAULT_WINDOW, Job, run_windowed
-from tokenfleet.producer.openai_format import Completion, body_of_line, output_line
+from tokenfleet.producer.openai_batch import body_of_line, output_line
+from tokenfleet.producer.openai_controls import decoder
+from tokenfleet.producer.openai_format import Completion
 from tokenfleet.producer.result import Result
 
 PROGRESS_EVERY_S = 1.0  # how often the batch's counts are written back while it runs
@@ -49,7 +51,7 @@ def run_openai_batch(redis_url: str, prefix: str, model: str | None, batch_id: s
         def collect(i: int, outcome: list[Result] | RequestFailed) -> None:
             job = jobs[i]
             assert job.completion is not None
-            line = output_line(i, str(job.custom_id), job.completion, outcome)
+            line = output_line(i, str(job.custom_id), job.completion, outcome, decoder(client.tokenizer))
             (errors if isinstance(outcome, RequestFailed) else outputs).append(line)
             state.progress(_counts(len(jobs), len(outputs), len(errors)))
             stop()  # noticed between results too, while the last window drains

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tokenfleet.gateway.errors import APIError, api_error, reply_error
 from tokenfleet.gateway.service import Service
 from tokenfleet.gateway.streaming import START, Progress, chunks, follow, parse_event_id
+from tokenfleet.producer.openai_controls import decoder
 from tokenfleet.producer.openai_format import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatBody,
@@ -181,7 +182,7 @@ async def whole_response(
     finally:
         if watcher is not None:
             watcher.cancel()
-    return JSONResponse(completion.response(list(done)))
+    return JSONResponse(completion.response(list(done), decoder(service.client.tokenizer)))
 
 
 async def _watch_disconnect(request: Request, results: asyncio.Future[Any]) -> None:

@@ -83,4 +83,6 @@ def install(app: FastAPI) -> None:
         first = error.errors()[0] if error.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())[1:])
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg"))
+        if first.get("type") == "extra_forbidden":  # a field we would otherwise ignore
+            message = f"{where} is not supported by this gateway (docs/OPERATIONS.md lists what is)"
         return APIError(400, message, param=where or None, code=ErrorCode.INVALID_REQUEST).response()

@@ -12,6 +12,7 @@ from typing import Any
 
 from tokenfleet.gateway.errors import api_error, reply_error
 from tokenfleet.producer import AsyncClient
+from tokenfleet.producer.openai_controls import decoder
 from tokenfleet.producer.openai_format import Completion
 from tokenfleet.protocol import TERMINAL_EVENT_ID, DoneEvent, ErrorEvent, ReplyEvent, TokenEvent, decode_event
 
@@ -101,12 +102,16 @@ async def chunks(
     the usage when asked, ``[DONE]``. An error after the first chunk ends the stream with an
     ``error`` event (OpenAI's clients raise it)."""
     begun = {k for k, p in enumerate(progress.positions) if p != START}
+    decode = decoder(client.tokenizer)
     try:
         async for k, event in events:
             progress.positions[k] = event.stream_id
             ident = event_id(completion, progress.positions)
             if isinstance(event, TokenEvent):
-                yield sse(completion.chunk(k, event.text, event.ids, first=k not in begun), ident)
+                chunk = completion.chunk(
+                    k, event.text, event.ids, k not in begun, None, event.logprobs, decode
+                )
+                yield sse(chunk, ident)
                 begun.add(k)
             elif isinstance(event, DoneEvent):
                 progress.usage[k] = event

@@ -56,7 +56,7 @@ def read_inputs(path: str, defaults: dict[str, Any] | None = None) -> list[dict[
 def _checked(item: Any, defaults: dict[str, Any] | None) -> dict[str, Any]:
     from tokenfleet import protocol
     from tokenfleet.errors import ProtocolError
-    from tokenfleet.producer.openai_format import body_of_line
+    from tokenfleet.producer.openai_batch import body_of_line
 
     item = {"prompt": item} if isinstance(item, str) else item
     if not isinstance(item, dict):
@@ -73,7 +73,7 @@ def _checked(item: Any, defaults: dict[str, Any] | None) -> dict[str, Any]:
 
 def jobs_of(items: list[dict[str, Any]], prefix: str, defaults: dict[str, Any] | None) -> list[Job]:
     """Each line's requests, with ids ``<prefix>-<line>`` (and ``.<choice>`` for OpenAI's)."""
-    from tokenfleet.producer.openai_format import body_of_line
+    from tokenfleet.producer.openai_batch import body_of_line
 
     jobs = []
     for i, item in enumerate(items):
@@ -163,7 +163,8 @@ def run_batch(
 ) -> dict[str, int]:
     """Run every input line through ``client`` (a producer Client), writing results in input
     order; returns counts. ``progress(n)`` is called as results are written."""
-    from tokenfleet.producer.openai_format import output_line
+    from tokenfleet.producer.openai_batch import output_line
+    from tokenfleet.producer.openai_controls import decoder
 
     jobs = jobs_of(read_inputs(input_path, defaults), batch_id(input_path), defaults)
     start = _done_lines(output_path)
@@ -176,7 +177,7 @@ def run_batch(
             job = jobs[i]
             counts["failed" if isinstance(outcome, RequestFailed) else "done"] += 1
             if job.completion is not None:
-                row = output_line(i, str(job.custom_id), job.completion, outcome)
+                row = output_line(i, str(job.custom_id), job.completion, outcome, decoder(client.tokenizer))
             else:
                 row = _row(i, job.requests[0][0], outcome)
             out.write(json.dumps(row) + "\n")

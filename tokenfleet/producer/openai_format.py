@@ -12,11 +12,19 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tokenfleet.errors import RequestFailed
+from tokenfleet.producer.openai_controls import (
+    ChatLogprobFields,
+    CompletionLogprobFields,
+    ControlFields,
+    Decode,
+    chat_logprobs,
+    completion_logprobs,
+    token_id_text,
+)
 from tokenfleet.producer.result import Result
-from tokenfleet.protocol import LANES, ErrorCode
+from tokenfleet.protocol import LANES, ErrorCode, TokenLogprob
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -33,6 +41,7 @@ CLIENT_ERROR_CODES = frozenset(
         ErrorCode.UNDECODABLE,
         ErrorCode.UNSUPPORTED_VERSION,
         ErrorCode.DUPLICATE_ID,
+        ErrorCode.INVALID_GRAMMAR,
     }
 )
 
@@ -42,11 +51,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Body(BaseModel):
-    """What both endpoints take; fields this release does not use are ignored, as OpenAI's
-    clients send many."""
+class _Body(ControlFields):
+    """What both endpoints take. A field it does not know is refused by name (400, ``param``):
+    never ignored, as an output control it cannot honour would be."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -94,14 +103,18 @@ class _Body(BaseModel):
             params["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         if self.ignore_eos:
             params["ignore_eos"] = True
-        return params
+        return {**params, **self.control_params(self.logprobs_asked())}
+
+    def logprobs_asked(self) -> int | None:
+        """How many alternatives per token the body asks logprobs for (None: no logprobs)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionBody(_Body):
+class CompletionBody(CompletionLogprobFields, _Body):
     """``POST /v1/completions``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -139,7 +152,7 @@ class ChatMessage(BaseModel):
         return "".join(texts)
 
 
-class ChatBody(_Body):
+class ChatBody(ChatLogprobFields, _Body):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -205,8 +218,9 @@ class Completion:
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def response(self, results: list[Result]) -> dict[str, Any]:
-        """The whole completion object, from each choice's result."""
+    def response(self, results: list[Result], decode: Decode = token_id_text) -> dict[str, Any]:
+        """The whole completion object, from each choice's result (``decode``: a token's text,
+        for logprobs)."""
         choices = []
         for index, res in enumerate(results):
             choice: dict[str, Any] = {"index": index, "finish_reason": res.finish_reason}
@@ -214,7 +228,9 @@ class Completion:
                 choice["message"] = {"role": "assistant", "content": res.text}
             else:
                 choice["text"] = res.text
-            choice.update(logprobs=None, token_ids=res.token_ids)
+            choice.update(
+                logprobs=self.logprobs(res.logprobs, res.token_ids, decode, 0), token_ids=res.token_ids
+            )
             choices.append(choice)
         return {**self.header(), "choices": choices, "usage": self.usage(results)}
 
@@ -225,7 +241,14 @@ class Completion:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def chunk(
-        self, index: int, text: str, token_ids: list[int], first: bool, finish: str | None = None
+        self,
+        index: int,
+        text: str,
+        token_ids: list[int],
+        first: bool,
+        finish: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+        decode: Decode = token_id_text,
     ) -> dict[str, Any]:
         """One streamed chunk of choice ``index`` (OpenAI's chunk format)."""
         header = self.header()
@@ -234,54 +257,25 @@ class Completion:
             header["object"] = "chat.completion.chunk"
             choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
-            choice.update(text=text, logprobs=None)
+            choice["text"] = text
+        choice["logprobs"] = self.logprobs(logprobs, token_ids, decode, None)
         return {**header, "choices": [choice]}
+
+    def logprobs(
+        self, logprobs: list[TokenLogprob] | None, ids: list[int], decode: Decode, offset: int | None
+    ) -> dict[str, Any] | None:
+        """A choice's ``logprobs`` in this endpoint's shape (None where none were asked for)."""
+        if logprobs is None:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(logprobs, ids, decode)
+        shaped = completion_logprobs(logprobs, ids, decode, offset or 0)
+        if offset is None:  # a chunk does not know where its text starts
+            del shaped["text_offset"]
+        return shaped
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         header = self.header()
         if self.kind == "chat":
             header["object"] = "chat.completion.chunk"
         return {**header, "choices": [], "usage": usage}
-
-
-def body_of_line(line: dict[str, Any]) -> tuple[Kind, CompletionBody | ChatBody]:
-    """A Batch API input line's endpoint and body; ``ValueError`` saying what is wrong."""
-    url, method = line.get("url"), line.get("method", "POST")
-    if method != "POST" or url not in (COMPLETIONS, CHAT_COMPLETIONS):
-        raise ValueError(
-            f"method and url must be POST {COMPLETIONS} or {CHAT_COMPLETIONS}, got {method} {url}"
-        )
-    try:
-        if url == CHAT_COMPLETIONS:
-            return "chat", ChatBody.model_validate(line.get("body"))
-        return "text", CompletionBody.model_validate(line.get("body"))
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise ValueError(f"body.{where}: {first.get('msg')}" if where else str(first.get("msg"))) from None
-
-
-def output_line(
-    index: int, custom_id: str, completion: Completion, outcome: list[Result] | RequestFailed
-) -> dict[str, Any]:
-    """A Batch API output (or error) file line: OpenAI's ``id``, ``custom_id``, ``response`` with
-    its ``status_code`` and ``body``, and ``error``."""
-    if isinstance(outcome, RequestFailed):
-        status = 400 if outcome.code in CLIENT_ERROR_CODES else 500
-        body: dict[str, Any] = {
-            "error": {
-                "message": outcome.message,
-                "type": "invalid_request_error",
-                "param": None,
-                "code": outcome.code,
-            }
-        }
-    else:
-        status, body = 200, completion.response(outcome)
-    response = {"status_code": status, "request_id": completion.id, "body": body}
-    return {
-        "id": f"batch_req_{completion.id}_{index}",
-        "custom_id": custom_id,
-        "response": response,
-        "error": None,
-    }
