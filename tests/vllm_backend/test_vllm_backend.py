@@ -298,3 +298,59 @@ def test_kill_9_mid_stream_another_worker_resumes(
     for prompt, handle, res in zip(prompts, handles, results):
         assert res.token_ids == offline(tokenizer(prompt).input_ids, new), prompt
         assert_clean(replies(r, prefix, handle.id), res.token_ids)
+
+
+def offline_with(vllm_engine, ids: list[int], max_new: int, **params) -> list[int]:
+    """vLLM's own offline loop on ``ids`` with these extra ``SamplingParams`` (greedy, EOS ignored)."""
+    from vllm import SamplingParams
+
+    sampling = SamplingParams(
+        temperature=0.0, max_tokens=max_new, ignore_eos=True, detokenize=False, **params
+    )
+    vllm_engine.add_request("offline-controls", {"prompt_token_ids": list(ids)}, sampling)
+    out: list[int] = []
+    while vllm_engine.has_unfinished_requests():
+        for result in vllm_engine.step():
+            if result.finished:
+                out = list(result.outputs[0].token_ids)
+    return out
+
+
+def test_penalties_bias_min_tokens_and_logprobs_reach_vllm(
+    vllm_engine, offline, tiny_model, redis_url, prefix
+):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = vllm_core(vllm_engine, tiny_model).facts.tokenizer
+    ids = tokenizer("Once upon a time").input_ids
+    knobs = dict(repetition_penalty=1.3, frequency_penalty=1.0, presence_penalty=0.5)
+    expected = offline_with(vllm_engine, ids, 10, logit_bias={5: 8.0}, **knobs)
+    plain = offline(ids, 10)
+    with serving(vllm_engine, tiny_model, redis_url, prefix) as worker:
+        client = Client(redis_url, model=tiny_model, prefix=prefix, buckets=list(BUCKETS))
+        penalised = client.submit(
+            input_ids=ids, max_new_tokens=10, ignore_eos=True, logit_bias={5: 8.0}, **knobs
+        )
+        with_logprobs = client.submit(input_ids=ids, max_new_tokens=6, ignore_eos=True, logprobs=3)
+        held = client.submit(input_ids=ids, max_new_tokens=6, min_tokens=3, stop_token_ids=[plain[0]])
+        shaped = client.submit(input_ids=ids, max_new_tokens=6, response_format={"type": "json_object"})
+        got, lp, held_back = (
+            penalised.result(timeout=60),
+            with_logprobs.result(timeout=60),
+            held.result(timeout=60),
+        )
+        with pytest.raises(RequestFailed) as refused:
+            shaped.result(timeout=30)
+        worker.assert_healthy()
+    assert got.token_ids == expected and expected != plain  # the knobs reached vLLM and did something
+    assert plain[0] not in held_back.token_ids[:3] and len(held_back.token_ids) >= 3
+    assert refused.value.code == ErrorCode.INVALID_REQUEST and "response_format" in refused.value.message
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids + lp.token_ids])).logits[0].float()
+    reference = torch.log_softmax(logits, -1)[len(ids) - 1 : -1]
+    assert lp.token_ids == plain[:6] and len(lp.logprobs) == 6
+    for pos, (token, got_lp) in enumerate(zip(lp.token_ids, lp.logprobs)):
+        assert got_lp.logprob == pytest.approx(reference[pos, token].item(), abs=1e-4)
+        assert [t for t, _ in got_lp.top] == reference[pos].topk(3).indices.tolist()

@@ -37,6 +37,8 @@ def engine_args(config: WorkerConfig) -> Any:
         seed=0,
         enable_prefix_caching=config.kv.prefix_caching,
         skip_tokenizer_init=True,
+        # logprobs after penalties, bias and temperature, as the native engine reports them
+        logprobs_mode="processed_logprobs",
         disable_log_stats=True,
         **kv,
     )

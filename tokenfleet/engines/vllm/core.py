@@ -25,6 +25,7 @@ from tokenfleet.core.interface import BatchEvent, Capacity, ModelFacts, StepOutp
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.core.vocab import eos_token_ids, max_token_chars
 from tokenfleet.engines.vllm.args import engine_args
+from tokenfleet.engines.vllm.controls import control_kwargs, vllm_logprobs
 from tokenfleet.protocol import ErrorCode, Refusal, Request
 
 log = logging.getLogger(__name__)
@@ -62,24 +63,15 @@ class VllmCore(CoreFront):
         self._active: dict[str, SeqState] = {}  # handed to vLLM, by vLLM request id, in order
 
     def output_constraint(self, request: Request) -> Any:
-        """Output controls do not reach vLLM yet: refused by name, never silently ignored."""
-        asked = [
-            name
-            for name, used in (
-                ("response_format", request.response_format is not None),
-                ("logprobs", request.logprobs is not None),
-                ("logit_bias", bool(request.logit_bias)),
-                ("min_tokens", request.min_tokens > 0),
-                ("presence_penalty", request.presence_penalty != 0.0),
-                ("frequency_penalty", request.frequency_penalty != 0.0),
-                ("repetition_penalty", request.repetition_penalty != 1.0),
-            )
-            if used
-        ]
-        if asked:
-            return Refusal(
-                ErrorCode.INVALID_REQUEST, f"the vllm backend does not support {', '.join(asked)} yet"
-            )
+        """Penalties, bias, ``min_tokens`` and logprobs go to vLLM (:mod:`.controls`); a
+        ``response_format`` is refused by name, never silently ignored."""
+        vocab = self.facts.vocab_size
+        if any(token >= vocab for token, _ in request.logit_bias):
+            message = f"logit_bias names a token outside the model's vocabulary of {vocab}"
+            return Refusal(ErrorCode.INVALID_REQUEST, message)
+        if request.response_format is not None:
+            message = "the vllm backend does not support response_format yet (the native engine does)"
+            return Refusal(ErrorCode.INVALID_REQUEST, message)
         return None
 
     @classmethod
@@ -168,8 +160,10 @@ class VllmCore(CoreFront):
                 self._first_output.discard(result.request_id)
                 seq.cached_tokens = int(getattr(result, "num_cached_tokens", 0) or 0)
                 self.prefix_cache_hits += seq.cached_tokens
-            for token_id in result.outputs[0].token_ids:
-                tokens.append(TokenOutput.append(seq, token_id))
+            output, top = result.outputs[0], seq.request.logprobs
+            for i, token_id in enumerate(output.token_ids):
+                logprob = None if top is None else vllm_logprobs(output.logprobs[i], token_id, top)
+                tokens.append(TokenOutput.append(seq, token_id, logprob))
                 if seq.finished:
                     break
             if seq.finished or result.finished:
@@ -261,6 +255,7 @@ def sampling_params(seq: SeqState) -> Any:
         seed=req.seed,
         ignore_eos=True,
         detokenize=False,
+        **control_kwargs(seq),
         output_kind=RequestOutputKind.DELTA,
     )
 

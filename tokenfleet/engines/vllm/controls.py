@@ -1,0 +1,40 @@
+"""The output controls vLLM honours for us, as ``SamplingParams`` fields, and its logprobs as our
+token events' (:class:`~tokenfleet.protocol.TokenLogprob`). ``response_format`` is not among
+them yet: vLLM runs without a tokenizer here, which its grammars need."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenfleet.core.sequence import SeqState
+from tokenfleet.protocol import TokenLogprob
+
+
+def control_kwargs(seq: SeqState) -> dict[str, Any]:
+    """``SamplingParams`` keyword arguments for the request's penalties, bias, ``min_tokens`` and
+    logprobs, for the tokens it has still to make."""
+    req = seq.request
+    kwargs: dict[str, Any] = {
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+    }
+    if req.logit_bias:
+        kwargs["logit_bias"] = dict(req.logit_bias)
+    if req.logprobs is not None:
+        kwargs["logprobs"] = req.logprobs
+    still = req.min_tokens - len(seq.generated)
+    if still > 0:
+        # vLLM ignores EOS for us (the end is ours), so it would not hold EOS back: name it a stop
+        # token there, which min_tokens does hold back (and where it ends the request, so do we)
+        ends = set(req.stop_token_ids) | (set() if req.ignore_eos else set(seq.eos_ids))
+        kwargs.update(min_tokens=still, stop_token_ids=sorted(ends))
+    return kwargs
+
+
+def vllm_logprobs(position: dict[int, Any], token_id: int, top: int) -> TokenLogprob:
+    """One generated position's logprobs from vLLM's ``{token id: Logprob}``: the chosen token's,
+    and the ``top`` most likely by vLLM's rank."""
+    ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in position.items() if lp.rank is not None)
+    alternatives = [(tid, float(logprob)) for rank, tid, logprob in ranked if rank <= top]
+    return TokenLogprob(float(position[token_id].logprob), alternatives[:top])
