@@ -6,12 +6,14 @@ suite; in a virtualenv without vLLM (the README's test command) it is skipped.
 Greedy output is checked against vLLM's own offline engine on the same prompts (vLLM's kernels
 round differently from Hugging Face's ``generate``, so that is the reference that holds)."""
 
+import json
 import os
 import signal
 import subprocess
 import time
 import warnings
 
+import jsonschema
 import pytest
 from conftest import RunningWorker, worker_process
 
@@ -316,9 +318,19 @@ def offline_with(vllm_engine, ids: list[int], max_new: int, **params) -> list[in
     return out
 
 
-def test_penalties_bias_min_tokens_and_logprobs_reach_vllm(
-    vllm_engine, offline, tiny_model, redis_url, prefix
-):
+SHAPE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "level": {"enum": ["low", "mid", "high"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
+    },
+    "required": ["level", "count", "tags"],
+}
+SHAPE = {"type": "json_schema", "json_schema": {"name": "shape", "schema": SHAPE_SCHEMA}}
+
+
+def test_output_controls_reach_vllm(vllm_engine, offline, tiny_model, redis_url, prefix):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -334,18 +346,26 @@ def test_penalties_bias_min_tokens_and_logprobs_reach_vllm(
         )
         with_logprobs = client.submit(input_ids=ids, max_new_tokens=6, ignore_eos=True, logprobs=3)
         held = client.submit(input_ids=ids, max_new_tokens=6, min_tokens=3, stop_token_ids=[plain[0]])
-        shaped = client.submit(input_ids=ids, max_new_tokens=6, response_format={"type": "json_object"})
+        shaped = [
+            client.submit(input_ids=ids, max_new_tokens=48, response_format=SHAPE, temperature=t, seed=n)
+            for n, t in enumerate((0.0, 0.8, 0.8, 1.0))
+        ]
+        bad = client.submit(input_ids=ids, response_format={"type": "regex", "regex": "(unclosed"})
         got, lp, held_back = (
             penalised.result(timeout=60),
             with_logprobs.result(timeout=60),
             held.result(timeout=60),
         )
+        outputs = [h.result(timeout=120) for h in shaped]
         with pytest.raises(RequestFailed) as refused:
-            shaped.result(timeout=30)
+            bad.result(timeout=30)
         worker.assert_healthy()
     assert got.token_ids == expected and expected != plain  # the knobs reached vLLM and did something
     assert plain[0] not in held_back.token_ids[:3] and len(held_back.token_ids) >= 3
-    assert refused.value.code == ErrorCode.INVALID_REQUEST and "response_format" in refused.value.message
+    assert refused.value.code == ErrorCode.INVALID_GRAMMAR
+    for out in outputs:  # vLLM's grammar (guidance): compact JSON, closed objects, as ours
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), {**SHAPE_SCHEMA, "additionalProperties": False})
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     with torch.inference_mode():
         logits = model(torch.tensor([ids + lp.token_ids])).logits[0].float()

@@ -14,8 +14,9 @@ CPU_MEMORY_UTILIZATION = 0.5
 def engine_args(config: WorkerConfig) -> Any:
     """``EngineArgs`` for ``config``: the model and dtype, ``max_seq_len`` as ``max_model_len``,
     ``max_batch_size`` as ``max_num_seqs``, ``--num-blocks`` / ``--kv-cache-memory`` as the KV
-    cache's size; vLLM's own block size (its CPU attention needs multiples of 32). No tokenizer
-    on vLLM's side: tokenfleet tokenizes and detokenizes."""
+    cache's size; vLLM's own block size (its CPU attention needs multiples of 32). Token ids go
+    in and come out: tokenfleet tokenizes and detokenizes (vLLM's tokenizer serves its grammars)."""
+    from vllm.config import StructuredOutputsConfig
     from vllm.engine.arg_utils import EngineArgs
 
     from tokenfleet.engines.native.device import select_device, select_dtype
@@ -36,7 +37,12 @@ def engine_args(config: WorkerConfig) -> Any:
         max_num_seqs=config.batching.max_batch_size,
         seed=0,
         enable_prefix_caching=config.kv.prefix_caching,
-        skip_tokenizer_init=True,
+        # vLLM's grammars need its tokenizer; tokens still go in and come out as ids
+        skip_tokenizer_init=False,
+        structured_outputs_config=StructuredOutputsConfig(
+            backend="guidance",
+            disable_any_whitespace=True,  # what the native engine does
+        ),
         # logprobs after penalties, bias and temperature, as the native engine reports them
         logprobs_mode="processed_logprobs",
         disable_log_stats=True,

@@ -1,13 +1,14 @@
 """The output controls vLLM honours for us, as ``SamplingParams`` fields, and its logprobs as our
-token events' (:class:`~tokenfleet.protocol.TokenLogprob`). ``response_format`` is not among
-them yet: vLLM runs without a tokenizer here, which its grammars need."""
+token events' (:class:`~tokenfleet.protocol.TokenLogprob`). Grammars run in vLLM's ``guidance``
+backend: the same llguidance, compact JSON and closed objects as the native engine."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from tokenfleet.core.grammar import closed_objects
 from tokenfleet.core.sequence import SeqState
-from tokenfleet.protocol import TokenLogprob
+from tokenfleet.protocol import ResponseFormat, TokenLogprob
 
 
 def control_kwargs(seq: SeqState) -> dict[str, Any]:
@@ -23,6 +24,8 @@ def control_kwargs(seq: SeqState) -> dict[str, Any]:
         kwargs["logit_bias"] = dict(req.logit_bias)
     if req.logprobs is not None:
         kwargs["logprobs"] = req.logprobs
+    if req.response_format is not None:
+        kwargs["structured_outputs"] = structured_outputs(req.response_format)
     still = req.min_tokens - len(seq.generated)
     if still > 0:
         # vLLM ignores EOS for us (the end is ours), so it would not hold EOS back: name it a stop
@@ -30,6 +33,23 @@ def control_kwargs(seq: SeqState) -> dict[str, Any]:
         ends = set(req.stop_token_ids) | (set() if req.ignore_eos else set(seq.eos_ids))
         kwargs.update(min_tokens=still, stop_token_ids=sorted(ends))
     return kwargs
+
+
+def structured_outputs(fmt: ResponseFormat) -> Any:
+    """vLLM's ``StructuredOutputsParams`` for a ``response_format``."""
+    import json
+
+    from vllm.sampling_params import StructuredOutputsParams
+
+    match fmt.type:
+        case "json_object":
+            return StructuredOutputsParams(json_object=True)
+        case "json_schema":
+            return StructuredOutputsParams(json=closed_objects(json.loads(fmt.source)))
+        case "regex":
+            return StructuredOutputsParams(regex=fmt.source)
+        case _:
+            return StructuredOutputsParams(grammar=fmt.source)
 
 
 def vllm_logprobs(position: dict[int, Any], token_id: int, top: int) -> TokenLogprob:

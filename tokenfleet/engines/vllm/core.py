@@ -26,9 +26,11 @@ from tokenfleet.core.sequence import SeqState
 from tokenfleet.core.vocab import eos_token_ids, max_token_chars
 from tokenfleet.engines.vllm.args import engine_args
 from tokenfleet.engines.vllm.controls import control_kwargs, vllm_logprobs
-from tokenfleet.protocol import ErrorCode, Refusal, Request
+from tokenfleet.protocol import Refusal, Request
 
 log = logging.getLogger(__name__)
+
+CANNOT_RESUME = "a response_format request cannot resume after a crash on the vllm backend"
 
 
 class VllmCore(CoreFront):
@@ -63,16 +65,10 @@ class VllmCore(CoreFront):
         self._active: dict[str, SeqState] = {}  # handed to vLLM, by vLLM request id, in order
 
     def output_constraint(self, request: Request) -> Any:
-        """Penalties, bias, ``min_tokens`` and logprobs go to vLLM (:mod:`.controls`); a
-        ``response_format`` is refused by name, never silently ignored."""
-        vocab = self.facts.vocab_size
-        if any(token >= vocab for token, _ in request.logit_bias):
-            message = f"logit_bias names a token outside the model's vocabulary of {vocab}"
-            return Refusal(ErrorCode.INVALID_REQUEST, message)
-        if request.response_format is not None:
-            message = "the vllm backend does not support response_format yet (the native engine does)"
-            return Refusal(ErrorCode.INVALID_REQUEST, message)
-        return None
+        """The output controls go to vLLM (:mod:`.controls`), grammars included: compiled here
+        first only to refuse one that cannot compile (``invalid_grammar``) before vLLM sees it."""
+        checked = super().output_constraint(request)
+        return checked if isinstance(checked, Refusal) else None
 
     @classmethod
     def from_config(cls, config: WorkerConfig) -> VllmCore:
@@ -142,16 +138,15 @@ class VllmCore(CoreFront):
     # -- stepping -------------------------------------------------------------------------------
 
     def step(self, flush: bool = False) -> StepOutput:
-        handed = self._hand_over(flush)
+        handed, failed = self._hand_over(flush)
         batches: list[BatchEvent] = []
         if handed:
             prompt_tokens = sum(len(s.all_tokens) for s in handed)
             batches.append(BatchEvent("prefill", len(handed), prompt_tokens, prompt_tokens=prompt_tokens))
         if not self._active:
-            return StepOutput(batches=batches)
+            return StepOutput(failed=failed, batches=batches)
         size = len(self._active)
         tokens: list[TokenOutput] = []
-        failed: list[tuple[SeqState, str]] = []
         for result in self.engine.step():
             seq = self._active.get(result.request_id)
             if seq is None:  # aborted on our side: nothing of it is streamed any more
@@ -179,10 +174,10 @@ class VllmCore(CoreFront):
             batches.append(BatchEvent("decode", size))
         return StepOutput(tokens, [], failed, batches)
 
-    def _hand_over(self, flush: bool) -> list[SeqState]:
+    def _hand_over(self, flush: bool) -> tuple[list[SeqState], list[tuple[SeqState, str]]]:
         """Requests the batching rule starts now, added to vLLM: with nothing running, the batch
         that is due (all waiting ones when ``flush``); in continuous mode also joiners while
-        fewer than ``max_batch_size`` run."""
+        fewer than ``max_batch_size`` run. Also those that cannot start, with why."""
         room = self.config.max_batch_size - len(self._active)
         batch: Batch | None = None
         if room > 0 and not self._active:
@@ -190,8 +185,11 @@ class VllmCore(CoreFront):
         elif room > 0 and self.config.mode == "continuous":
             batch = self.batcher.take(room)
         if batch is None:
-            return []
+            return [], []
         seqs = [item.payload for item in batch.items]
+        # vLLM's grammars start from the first token: one cannot go on from a crashed attempt's
+        cannot = [(s, CANNOT_RESUME) for s in seqs if s.generated and s.request.response_format is not None]
+        seqs = [s for s in seqs if not (s.generated and s.request.response_format is not None)]
         now = time.time()
         for seq in seqs:
             request_id = vllm_request_id(seq.key)
@@ -203,7 +201,7 @@ class VllmCore(CoreFront):
                 seq.started = now
         for seq in seqs:
             seq.batch_size = seq.batch_size or len(self._active)
-        return seqs
+        return seqs, cannot
 
     def abort(self, keys: Collection[Hashable]) -> list[SeqState]:
         ids = [rid for rid, seq in self._active.items() if seq.key in keys]
