@@ -18,28 +18,42 @@ class Fleet:
         self.redis = redis
         self.keys = keys
         self._models: dict[str, int] = {}  # served name -> live workers
+        self._known: set[str] = set()  # names any heartbeat still in Redis carries, live or not
         self._at = float("-inf")
 
     async def models(self) -> dict[str, int]:
         """Served model name -> how many live workers serve it."""
         if time.monotonic() - self._at > CACHE_S:
-            now, models = time.time(), dict[str, int]()
+            now, models, known = time.time(), dict[str, int](), set()
             for raw in (await self.redis.hgetall(self.keys.workers)).values():
                 try:
                     beat = protocol.unpack(raw)
                 except ValueError:
                     continue
-                if isinstance(beat, dict) and now - float(beat.get("seen", 0)) < STALE_AFTER_S:
-                    name = str(beat.get("model", "unknown"))
+                if not isinstance(beat, dict):
+                    continue
+                name = str(beat.get("model", "unknown"))
+                known.add(name)
+                if now - float(beat.get("seen", 0)) < STALE_AFTER_S:
                     models[name] = models.get(name, 0) + 1
-            self._models, self._at = models, time.monotonic()
+            self._models, self._known, self._at = models, known, time.monotonic()
         return self._models
 
     async def require(self, model: str) -> None:
-        """Raise a 503 unless a live worker serves ``model``."""
+        """Raise unless a live worker serves ``model``: OpenAI's 404 ``model_not_found`` for a
+        name no worker has served while others serve, a 503 (retried by OpenAI's clients) when
+        no worker serves at all or this model's workers have all gone quiet."""
         models = await self.models()
         if model not in models:
             served = ", ".join(sorted(models)) or "none"
+            if models and model not in self._known:
+                raise APIError(
+                    404,
+                    f"the model {model!r} does not exist here (served now: {served})",
+                    "invalid_request_error",
+                    "model_not_found",
+                    "model",
+                )
             raise APIError(
                 503,
                 f"no live worker serves model {model!r} (served now: {served})",
