@@ -12,7 +12,7 @@ from tokenfleet.errors import RequestFailed
 from tokenfleet.producer.bulk import BULK_LANE, DEFAULT_WINDOW, Job, run_windowed
 from tokenfleet.producer.openai_batch import body_of_line, output_line
 from tokenfleet.producer.openai_controls import decoder
-from tokenfleet.producer.openai_format import Completion
+from tokenfleet.producer.openai_format import CHAT_COMPLETIONS, Completion
 from tokenfleet.producer.result import Result
 
 PROGRESS_EVERY_S = 1.0  # how often the batch's counts are written back while it runs
@@ -75,8 +75,18 @@ def run_openai_batch(redis_url: str, prefix: str, model: str | None, batch_id: s
         return ended["request_counts"]
 
 
+class LineError(ValueError):
+    """A line that makes the whole file unusable (not JSON, no custom_id, another endpoint, a
+    repeated custom_id): the batch fails, naming it."""
+
+    def __init__(self, line: int, message: str):
+        super().__init__(f"line {line}: {message}")
+        self.line = line
+
+
 def parse(content: bytes | None, endpoint: str, batch_id: str) -> list[Job]:
-    """The input file's lines as jobs; ``ValueError`` naming the first bad line."""
+    """The input file's lines as jobs; a line whose body is invalid becomes a job that fails
+    alone, as with OpenAI. ``ValueError`` (:class:`LineError`) for a file that cannot run."""
     if content is None:
         raise ValueError("the input file is gone (expired or deleted)")
     jobs: list[Job] = []
@@ -88,16 +98,25 @@ def parse(content: bytes | None, endpoint: str, batch_id: str) -> list[Job]:
             line = json.loads(text)
             if not isinstance(line, dict) or "custom_id" not in line:
                 raise ValueError("each line needs custom_id, method, url and body")
-            kind, body = body_of_line(line)
-            if line["url"] != endpoint:
-                raise ValueError(f"url {line['url']} is not the batch's endpoint {endpoint}")
+            if line.get("url") != endpoint:
+                raise ValueError(f"url {line.get('url')} is not the batch's endpoint {endpoint}")
             if line["custom_id"] in seen:
                 raise ValueError(f"custom_id {line['custom_id']!r} appears twice")
         except ValueError as e:
-            raise ValueError(f"line {n}: {e}") from e
+            raise LineError(n, str(e)) from e
         seen.add(line["custom_id"])
-        completion = Completion.of(f"{batch_id}-{len(jobs)}", kind, body)
-        jobs.append(Job(completion.submissions(body, lane=BULK_LANE), str(line["custom_id"]), completion))
+        name, custom_id = f"{batch_id}-{len(jobs)}", str(line["custom_id"])
+        try:
+            kind, body = body_of_line(line)
+        except ValueError as e:  # this line's body: it fails alone, in the error file
+            raw = line.get("body")
+            body_model: dict[str, Any] = raw if isinstance(raw, dict) else {}
+            kind = "chat" if endpoint == CHAT_COMPLETIONS else "text"
+            completion = Completion(name, kind, str(body_model.get("model", "")), 1, 1, _now())
+            jobs.append(Job([], custom_id, completion, invalid=f"line {n}: {e}"))
+            continue
+        completion = Completion.of(name, kind, body)
+        jobs.append(Job(completion.submissions(body, lane=BULK_LANE), custom_id, completion))
     return jobs
 
 
@@ -136,7 +155,8 @@ def _counts(total: int, completed: int, failed: int) -> dict[str, int]:
 
 
 def _error(e: Exception) -> dict[str, Any]:
-    return {"code": "invalid_input", "message": str(e), "param": None, "line": None}
+    line = e.line if isinstance(e, LineError) else None
+    return {"code": "invalid_input", "message": str(e), "param": None, "line": line}
 
 
 def _now() -> int:

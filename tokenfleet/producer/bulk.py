@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenfleet.errors import RequestFailed
+from tokenfleet.errors import ProtocolError, RequestFailed
 from tokenfleet.producer.openai_format import Completion
 from tokenfleet.producer.result import Result
+from tokenfleet.protocol import ErrorCode
 
 DEFAULT_WINDOW = 64
 BULK_LANE = "batch"  # bulk jobs queue behind interactive traffic unless their lines say otherwise
@@ -35,6 +36,7 @@ class Job:
     requests: list[tuple[str, dict[str, Any]]]
     custom_id: str | None = None  # OpenAI's lines: the caller's own id, echoed in the output
     completion: Completion | None = None  # OpenAI's lines: what the output's body is built from
+    invalid: str | None = None  # why the line cannot run (it fails alone, in its place)
 
 
 def read_inputs(path: str, defaults: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -102,9 +104,13 @@ def run_windowed(
     most ``window`` jobs in flight, and hand each job's results to ``on_result`` in input order.
     ``stop()`` is asked before each submit (a cancelled batch stops submitting)."""
     pending: deque[int] = deque()
+    refused: dict[int, RequestFailed] = {}  # lines that failed before running, by index
 
     def drain_one() -> None:
         i = pending.popleft()
+        if i in refused:
+            on_result(i, refused.pop(i))
+            return
         try:
             on_result(i, [client.result(rid, timeout=timeout) for rid, _ in jobs[i].requests])
         except RequestFailed as e:
@@ -113,16 +119,34 @@ def run_windowed(
     for i in range(start, len(jobs)):
         if stop():
             break
-        for request_id, args in jobs[i].requests:
-            if not client.redis.exists(client.keys.reply_stream(request_id)):
-                args = dict(args)
-                prompt, input_ids = args.pop("prompt", None), args.pop("input_ids", None)
-                client.submit(prompt, input_ids=input_ids, request_id=request_id, **args)
+        failure = _submit(client, jobs[i])
+        if failure is not None:
+            refused[i] = failure
         pending.append(i)
         if len(pending) >= window:
             drain_one()
     while pending:
         drain_one()
+
+
+def _submit(client: Any, job: Job) -> RequestFailed | None:
+    """Submit a line's requests (those not yet on a reply stream); a line the client refuses
+    (a field out of range, say) fails alone: what it already submitted is cancelled."""
+    name = job.requests[0][0] if job.requests else str(job.custom_id)
+    if job.invalid is not None:
+        return RequestFailed(name, ErrorCode.INVALID_REQUEST, job.invalid)
+    try:
+        for request_id, args in job.requests:
+            if not client.redis.exists(client.keys.reply_stream(request_id)):
+                args = dict(args)
+                prompt, input_ids = args.pop("prompt", None), args.pop("input_ids", None)
+                client.submit(prompt, input_ids=input_ids, request_id=request_id, **args)
+    except (ValueError, ProtocolError) as e:
+        for request_id, _ in job.requests:
+            client.cancel(request_id)
+        code = e.code if isinstance(e, ProtocolError) else ErrorCode.INVALID_REQUEST
+        return RequestFailed(name, code, e.message if isinstance(e, ProtocolError) else str(e))
+    return None
 
 
 def rq_queue(prefix: str) -> str:
