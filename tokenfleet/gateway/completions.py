@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tokenfleet.gateway.errors import APIError, api_error, reply_error
 from tokenfleet.gateway.service import Service
 from tokenfleet.gateway.streaming import START, Progress, chunks, follow, parse_event_id
+from tokenfleet.gateway.watch import events_unless_orphaned, unless_orphaned
 from tokenfleet.producer.openai_controls import decoder
 from tokenfleet.producer.openai_format import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -133,13 +134,16 @@ async def stream_response(
 ) -> JSONResponse | StreamingResponse:
     """The SSE stream; its status waits for the first event, so a request that fails at once
     (too long a prompt, say) gets its HTTP error rather than a 200 with an error inside."""
-    events = follow(service.client, completion, progress, service.config.request_timeout_s)
+    followed = follow(service.client, completion, progress, service.config.request_timeout_s)
+    events = events_unless_orphaned(followed, service.fleet, completion.model)
     first: tuple[int, ReplyEvent] | None = None
     try:
         first = await events.__anext__()
     except StopAsyncIteration:
         pass
     except Exception as e:
+        if not keep:
+            await cancel(service, completion)
         raise api_error(e) from e
     if first is not None and isinstance(first[1], ErrorEvent):
         await events.aclose()  # stops following the other choices
@@ -173,11 +177,13 @@ async def whole_response(
     results = asyncio.gather(*(service.client.result(rid, timeout) for rid in completion.request_ids))
     watcher = None if keep else asyncio.create_task(_watch_disconnect(request, results))
     try:
-        done = await results
+        done = await unless_orphaned(results, service.fleet, completion.model)
     except asyncio.CancelledError:
         await cancel(service, completion)
         raise APIError(499, "the client closed the request", code="cancelled") from None
     except Exception as e:
+        if not keep:
+            await cancel(service, completion)
         raise api_error(e) from e
     finally:
         if watcher is not None:

@@ -1,0 +1,68 @@
+"""A request in flight whose model no live worker serves any more ends with a 503 at once, not
+after ``--request-timeout-s``: the last worker was killed, say. Workers' heartbeats say it (a
+worker silent for ``STALE_AFTER_S`` is gone); a short grace lets a restarting one come back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, TypeVar
+
+from tokenfleet.gateway.errors import APIError
+from tokenfleet.gateway.fleet import Fleet
+
+T = TypeVar("T")
+
+POLL_S = 1.0
+GRACE_S = 5.0  # past the heartbeat's staleness: a worker restarting under supervision returns
+
+
+def orphaned(model: str) -> APIError:
+    message = f"no live worker serves model {model!r} any more: the request was cancelled"
+    return APIError(503, message, "api_error", "model_not_served", "model")
+
+
+async def until_orphaned(fleet: Fleet, model: str) -> None:
+    """Return once no live worker has served ``model`` for :data:`GRACE_S`."""
+    missing_since: float | None = None
+    while True:
+        await asyncio.sleep(POLL_S)
+        if model in await fleet.models():
+            missing_since = None
+        elif missing_since is None:
+            missing_since = time.monotonic()
+        elif time.monotonic() - missing_since >= GRACE_S:
+            return
+
+
+async def unless_orphaned(work: asyncio.Future[Any], fleet: Fleet, model: str) -> Any:
+    """``work``'s result, or :func:`orphaned`'s error (``work`` cancelled) if the model's workers
+    are all gone first."""
+    guard = asyncio.ensure_future(until_orphaned(fleet, model))
+    try:
+        done, _ = await asyncio.wait({work, guard}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        guard.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    await asyncio.wait({work})  # let it unwind (a stream's reader closes after it)
+    raise orphaned(model)
+
+
+async def events_unless_orphaned(
+    events: AsyncIterator[T], fleet: Fleet, model: str
+) -> AsyncGenerator[T, None]:
+    """``events``, ending with :func:`orphaned`'s error if the model's workers are all gone."""
+    iterator = aiter(events)
+    try:
+        while True:
+            try:
+                yield await unless_orphaned(asyncio.ensure_future(anext(iterator)), fleet, model)
+            except StopAsyncIteration:
+                return
+    finally:
+        close = getattr(iterator, "aclose", None)
+        if close is not None:
+            await close()  # the followed streams' readers stop with it
