@@ -4,6 +4,7 @@ and Redis, driven by the real `openai` package, curl and plain HTTP."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import signal
@@ -126,9 +127,9 @@ def test_errors_come_in_openais_shape_with_the_status_clients_act_on(
             with pytest.raises(openai.BadRequestError) as long:
                 client.completions.create(model=MODEL, prompt="word " * 200, max_tokens=4, stream=stream)
             assert long.value.body["code"] == "prompt_too_long"
-        with pytest.raises(openai.APIStatusError) as unserved:
+        with pytest.raises(openai.NotFoundError) as unknown:  # another model is served: OpenAI's 404
             client.completions.create(model="not-here", prompt="x", max_tokens=4)
-        assert unserved.value.status_code == 503 and unserved.value.body["code"] == "model_not_served"
+        assert unknown.value.body["code"] == "model_not_found" and unknown.value.body["param"] == "model"
     keyed = gateways("--api-keys", "k1,k2")
     with pytest.raises(openai.AuthenticationError):
         keyed.openai().models.list()
@@ -245,9 +246,21 @@ def test_a_200_line_batch_completes_in_openais_output_format(run_worker, gateway
     with run_worker(BATCHING, served_model_name=MODEL):
         client = gateways().openai()
         lines = []
+        bad = {  # lines that fail alone, in the error file; the rest of the batch runs
+            17: {"prompt": "word " * 100},  # too long for every bucket: the worker refuses it
+            30: {"max_tokens": 1_000_000},  # passes the body's check, refused when submitted
+            31: {"max_tokens": -5},  # an invalid body
+            32: {"tools": [{"type": "function", "function": {"name": "f"}}]},  # a field we do not honour
+            150: {"prompt": "word " * 100},
+        }
         for i in range(200):
-            prompt = "word " * 100 if i in (17, 150) else f"batch line {i}"  # two too long: the error file
-            body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0}
+            body = {
+                "model": MODEL,
+                "prompt": f"batch line {i}",
+                "max_tokens": 3,
+                "temperature": 0,
+                **bad.get(i, {}),
+            }
             lines.append({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions", "body": body})
         data = "".join(json.dumps(line) + "\n" for line in lines).encode()
         uploaded = client.files.create(file=("in.jsonl", data), purpose="batch")
@@ -260,14 +273,11 @@ def test_a_200_line_batch_completes_in_openais_output_format(run_worker, gateway
             time.sleep(0.5)
             batch = client.batches.retrieve(batch.id)
         assert batch.status == "completed", batch.errors
-        assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
-            200,
-            198,
-            2,
-        )
+        counts = batch.request_counts
+        assert (counts.total, counts.completed, counts.failed) == (200, 195, 5)
         output = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
         errors = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
-        assert [row["custom_id"] for row in output] == [f"line-{i}" for i in range(200) if i not in (17, 150)]
+        assert [row["custom_id"] for row in output] == [f"line-{i}" for i in range(200) if i not in bad]
         for row in output:
             assert set(row) == {"id", "custom_id", "response", "error"} and row["error"] is None
             assert row["response"]["status_code"] == 200
@@ -275,9 +285,28 @@ def test_a_200_line_batch_completes_in_openais_output_format(run_worker, gateway
             assert (
                 completion["object"] == "text_completion" and len(completion["choices"][0]["token_ids"]) == 3
             )
-        assert [row["custom_id"] for row in errors] == ["line-17", "line-150"]
+        assert [row["custom_id"] for row in errors] == [f"line-{i}" for i in bad]
         assert all(row["response"]["status_code"] == 400 for row in errors)
-        assert errors[0]["response"]["body"]["error"]["code"] == "prompt_too_long"
+        codes = [row["response"]["body"]["error"]["code"] for row in errors]
+        assert codes == [
+            "prompt_too_long",
+            "invalid_request",
+            "invalid_request",
+            "invalid_request",
+            "prompt_too_long",
+        ]
+        assert "tools" in errors[3]["response"]["body"]["error"]["message"]
+        twice = "".join(json.dumps(lines[0]) + "\n" for _ in range(2)).encode()  # a custom_id repeated
+        unusable = client.batches.create(
+            input_file_id=client.files.create(file=("twice.jsonl", twice), purpose="batch").id,
+            endpoint="/v1/completions",
+            completion_window="24h",
+        )
+        while unusable.status not in ("completed", "failed", "cancelled"):
+            assert time.monotonic() < deadline, unusable
+            time.sleep(0.5)
+            unusable = client.batches.retrieve(unusable.id)
+        assert unusable.status == "failed" and unusable.errors.data[0].line == 2
 
 
 def test_models_health_and_metrics(run_worker, gateways):
@@ -339,3 +368,42 @@ def test_a_cancelled_batch_stops_and_says_so(run_worker, gateways):
         assert batch.status == "cancelled" and batch.request_counts.completed < 300
         with pytest.raises(openai.ConflictError):
             client.batches.cancel(batch.id)
+
+
+def test_requests_in_flight_when_the_last_worker_dies_end_with_503_quickly(
+    gateways, redis_url, prefix, tiny_model
+):
+    """The only worker is killed -9 mid-generation: the waiting (whole and streamed) requests end
+    with a 503 ``model_not_served`` once its heartbeat is stale, not after the request timeout,
+    and their requests are cancelled (a worker that comes back later does not run them)."""
+    from conftest import worker_process
+
+    worker = worker_process(
+        tiny_model, redis_url, prefix, "--buckets", "16,64", "--served-model-name", MODEL,
+        "--max-seq-len", "4096", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        gateway = gateways("--request-timeout-s", "600")
+        client = gateway.openai(timeout=300)
+        deadline = time.monotonic() + 120
+        while not client.models.list().data:  # the worker is up
+            assert time.monotonic() < deadline and worker.poll() is None
+            time.sleep(0.2)
+        long = dict(model=MODEL, prompt="go on", max_tokens=3500, extra_body={"ignore_eos": True})
+        stream = client.completions.create(**long, stream=True)
+        next(iter(stream))  # generating
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(client.completions.create, **long)
+            time.sleep(1.0)
+            worker.send_signal(signal.SIGKILL)
+            worker.wait(10)
+            with pytest.raises(openai.APIError) as streamed:
+                for _ in stream:
+                    pass
+            with pytest.raises(openai.APIStatusError) as waited:  # well before the 600 s timeout
+                whole.result(timeout=120)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert waited.value.status_code == 503 and waited.value.body["code"] == "model_not_served"
+    assert "model_not_served" in str(streamed.value.body or streamed.value)
