@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -20,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tokenfleet.gateway.errors import APIError, api_error, reply_error
 from tokenfleet.gateway.service import Service
 from tokenfleet.gateway.streaming import START, Progress, chunks, follow, parse_event_id
-from tokenfleet.gateway.watch import events_unless_orphaned, unless_orphaned
+from tokenfleet.gateway.watch import orphaned_error, unless_orphaned
 from tokenfleet.producer.openai_controls import decoder
 from tokenfleet.producer.openai_format import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -134,8 +135,8 @@ async def stream_response(
 ) -> JSONResponse | StreamingResponse:
     """The SSE stream; its status waits for the first event, so a request that fails at once
     (too long a prompt, say) gets its HTTP error rather than a 200 with an error inside."""
-    followed = follow(service.client, completion, progress, service.config.request_timeout_s)
-    events = events_unless_orphaned(followed, service.fleet, completion.model)
+    lost = partial(orphaned_error, service.fleet, completion.model)
+    events = follow(service.client, completion, progress, service.config.request_timeout_s, lost)
     first: tuple[int, ReplyEvent] | None = None
     try:
         first = await events.__anext__()

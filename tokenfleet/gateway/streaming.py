@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,9 +46,14 @@ class Progress:
 
 
 async def follow(
-    client: AsyncClient, completion: Completion, progress: Progress, timeout: float
+    client: AsyncClient,
+    completion: Completion,
+    progress: Progress,
+    timeout: float,
+    until_lost: Callable[[], Awaitable[BaseException]] | None = None,
 ) -> AsyncGenerator[tuple[int, ReplyEvent], None]:
-    """Every choice's events past its position, merged in arrival order."""
+    """Every choice's events past its position, merged in arrival order; ``until_lost`` returns
+    the error that ends them early (no worker serves the model any more)."""
     queue: asyncio.Queue[tuple[int, ReplyEvent | BaseException | None]] = asyncio.Queue()
 
     async def one(k: int) -> None:
@@ -59,7 +64,11 @@ async def follow(
         except BaseException as e:  # handed over, raised where the stream is read
             await queue.put((k, e))
 
+    async def watch(lost: Callable[[], Awaitable[BaseException]]) -> None:
+        await queue.put((-1, await lost()))
+
     tasks = [asyncio.create_task(one(k)) for k in progress.pending]
+    watcher = None if until_lost is None else asyncio.create_task(watch(until_lost))
     try:
         for _ in range(len(tasks)):
             while True:
@@ -70,7 +79,7 @@ async def follow(
                     raise item
                 yield k, item
     finally:
-        for task in tasks:
+        for task in tasks if watcher is None else [*tasks, watcher]:
             task.cancel()
 
 

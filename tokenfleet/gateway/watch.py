@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, TypeVar
+from typing import Any
 
 from tokenfleet.gateway.errors import APIError
 from tokenfleet.gateway.fleet import Fleet
-
-T = TypeVar("T")
 
 POLL_S = 1.0
 GRACE_S = 5.0  # past the heartbeat's staleness: a worker restarting under supervision returns
@@ -42,6 +39,9 @@ async def unless_orphaned(work: asyncio.Future[Any], fleet: Fleet, model: str) -
     guard = asyncio.ensure_future(until_orphaned(fleet, model))
     try:
         done, _ = await asyncio.wait({work, guard}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this wait cancelled: so is the work
+        work.cancel()
+        raise
     finally:
         guard.cancel()
     if work in done:
@@ -51,18 +51,7 @@ async def unless_orphaned(work: asyncio.Future[Any], fleet: Fleet, model: str) -
     raise orphaned(model)
 
 
-async def events_unless_orphaned(
-    events: AsyncIterator[T], fleet: Fleet, model: str
-) -> AsyncGenerator[T, None]:
-    """``events``, ending with :func:`orphaned`'s error if the model's workers are all gone."""
-    iterator = aiter(events)
-    try:
-        while True:
-            try:
-                yield await unless_orphaned(asyncio.ensure_future(anext(iterator)), fleet, model)
-            except StopAsyncIteration:
-                return
-    finally:
-        close = getattr(iterator, "aclose", None)
-        if close is not None:
-            await close()  # the followed streams' readers stop with it
+async def orphaned_error(fleet: Fleet, model: str) -> BaseException:
+    """:func:`orphaned`'s error, once the model's workers are all gone (for a stream's reader)."""
+    await until_orphaned(fleet, model)
+    return orphaned(model)
