@@ -306,3 +306,56 @@ def test_langchain_structured_output_through_the_gateway(runner, smollm2, redis_
         finally:
             gateway.stop()
     assert isinstance(answer, Answer) and answer.city
+
+
+def test_tool_calls_through_the_gateway(runner, smollm2, redis_url, prefix):
+    """``tool_choice`` a named function or ``required``: the answer is a valid call of one of the
+    tools (openai-python's ``tool_calls``, LangChain's ``bind_tools``); ``auto`` is refused by name."""
+    import openai
+    from gateway_process import Gateway
+    from langchain_openai import ChatOpenAI
+
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": SHORT, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"],
+            },
+        },
+    }
+    clock = {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    }
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    batching = DynamicBatchingConfig(max_wait_ms=5, max_batch_size=4, max_seq_len=512, buckets=(64, 128, 256))
+    with RunningWorker(runner, redis_url, prefix, batching, served_model_name="smollm2"):
+        gateway = Gateway(redis_url, prefix, smollm2)
+        try:
+            client = gateway.openai()
+            named = client.chat.completions.create(
+                model="smollm2",
+                messages=messages,
+                tools=[weather, clock],
+                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            )
+            required = client.chat.completions.create(
+                model="smollm2", messages=messages, tools=[weather, clock], tool_choice="required"
+            )
+            with pytest.raises(openai.BadRequestError) as auto:
+                client.chat.completions.create(model="smollm2", messages=messages, tools=[weather])
+            llm = ChatOpenAI(model="smollm2", base_url=gateway.url + "/v1", api_key="unused", temperature=0)
+            bound = llm.bind_tools([weather], tool_choice="get_weather").invoke("Weather in Rome?")
+        finally:
+            gateway.stop()
+    call = named.choices[0].message.tool_calls[0]
+    assert named.choices[0].finish_reason == "tool_calls" and named.choices[0].message.content is None
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), weather["function"]["parameters"])
+    assert required.choices[0].message.tool_calls[0].function.name in ("get_weather", "get_time")
+    assert "tool_choice" in auto.value.body["message"]
+    assert bound.tool_calls[0]["name"] == "get_weather" and bound.tool_calls[0]["args"]["city"]

@@ -122,6 +122,21 @@ class CompletionLogprobFields(BaseModel):
         return self.logprobs
 
 
+def shaped_logprobs(
+    chat: bool, logprobs: list[TokenLogprob] | None, ids: list[int], decode: Decode, offset: int | None
+) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` in its endpoint's shape (None where none were asked for);
+    ``offset``: characters before these tokens (None in a chunk, which does not know it)."""
+    if logprobs is None:
+        return None
+    if chat:
+        return chat_logprobs(logprobs, ids, decode)
+    shaped = completion_logprobs(logprobs, ids, decode, offset or 0)
+    if offset is None:
+        del shaped["text_offset"]
+    return shaped
+
+
 def chat_logprobs(logprobs: list[TokenLogprob], ids: list[int], decode: Decode) -> dict[str, Any]:
     """Chat's ``choices[].logprobs`` (or a chunk's) for these tokens."""
 

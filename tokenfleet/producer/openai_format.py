@@ -12,17 +12,17 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tokenfleet.producer.openai_controls import (
     ChatLogprobFields,
     CompletionLogprobFields,
     ControlFields,
     Decode,
-    chat_logprobs,
-    completion_logprobs,
+    shaped_logprobs,
     token_id_text,
 )
+from tokenfleet.producer.openai_tools import ToolFields, tool_calls
 from tokenfleet.producer.result import Result
 from tokenfleet.protocol import LANES, ErrorCode, TokenLogprob
 
@@ -152,13 +152,28 @@ class ChatMessage(BaseModel):
         return "".join(texts)
 
 
-class ChatBody(ChatLogprobFields, _Body):
+class ChatBody(ChatLogprobFields, ToolFields, _Body):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
 
+    @model_validator(mode="after")
+    def tool_calls_alone(self) -> ChatBody:
+        if self.calls_a_tool() and self.response_format is not None:
+            raise ValueError("response_format and a tool call cannot be asked for together")
+        if self.calls_a_tool() and self.stream:
+            raise ValueError("stream is not supported with a tool call yet: send stream false")
+        return self
+
     def inputs(self) -> list[dict[str, Any]]:
-        return [{"messages": [{"role": m.role, "content": m.content} for m in self.messages]}]
+        messages = [{"role": m.role, "content": m.content} for m in self.messages]
+        return [{"messages": [self.tools_message(), *messages] if self.calls_a_tool() else messages}]
+
+    def request_params(self, default_max_tokens: int) -> dict[str, Any]:
+        params = super().request_params(default_max_tokens)
+        if self.calls_a_tool():
+            params["response_format"] = self.call_format()
+        return params
 
 
 Kind = Literal["text", "chat"]
@@ -174,10 +189,13 @@ class Completion:
     choices: int  # requests: prompts x n
     n: int
     created: int
+    tool_call: bool = False  # chat with tool_choice required or named: the answer is a call
 
     @classmethod
     def of(cls, completion_id: str, kind: Kind, body: CompletionBody | ChatBody) -> Completion:
-        return cls(completion_id, kind, body.model, len(body.inputs()) * body.n, body.n, int(time.time()))
+        tool_call = isinstance(body, ChatBody) and body.calls_a_tool()
+        choices = len(body.inputs()) * body.n
+        return cls(completion_id, kind, body.model, choices, body.n, int(time.time()), tool_call)
 
     @classmethod
     def new(cls, kind: Kind, body: CompletionBody | ChatBody) -> Completion:
@@ -224,12 +242,17 @@ class Completion:
         choices = []
         for index, res in enumerate(results):
             choice: dict[str, Any] = {"index": index, "finish_reason": res.finish_reason}
-            if self.kind == "chat":
+            if self.tool_call and res.finish_reason == "stop":
+                calls = tool_calls(res.text)
+                choice.update(message={"role": "assistant", "content": None, "tool_calls": calls})
+                choice["finish_reason"] = "tool_calls"
+            elif self.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": res.text}
             else:
                 choice["text"] = res.text
             choice.update(
-                logprobs=self.logprobs(res.logprobs, res.token_ids, decode, 0), token_ids=res.token_ids
+                logprobs=shaped_logprobs(self.kind == "chat", res.logprobs, res.token_ids, decode, 0),
+                token_ids=res.token_ids,
             )
             choices.append(choice)
         return {**self.header(), "choices": choices, "usage": self.usage(results)}
@@ -258,21 +281,8 @@ class Completion:
             choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
             choice["text"] = text
-        choice["logprobs"] = self.logprobs(logprobs, token_ids, decode, None)
+        choice["logprobs"] = shaped_logprobs(self.kind == "chat", logprobs, token_ids, decode, None)
         return {**header, "choices": [choice]}
-
-    def logprobs(
-        self, logprobs: list[TokenLogprob] | None, ids: list[int], decode: Decode, offset: int | None
-    ) -> dict[str, Any] | None:
-        """A choice's ``logprobs`` in this endpoint's shape (None where none were asked for)."""
-        if logprobs is None:
-            return None
-        if self.kind == "chat":
-            return chat_logprobs(logprobs, ids, decode)
-        shaped = completion_logprobs(logprobs, ids, decode, offset or 0)
-        if offset is None:  # a chunk does not know where its text starts
-            del shaped["text_offset"]
-        return shaped
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         header = self.header()
