@@ -344,7 +344,27 @@ def test_tool_calls_through_the_gateway(runner, smollm2, redis_url, prefix):
                 tool_choice={"type": "function", "function": {"name": "get_weather"}},
             )
             required = client.chat.completions.create(
-                model="smollm2", messages=messages, tools=[weather, clock], tool_choice="required"
+                model="smollm2",
+                messages=messages,
+                tools=[weather, clock],
+                tool_choice="required",
+                temperature=0,
+            )
+            streamed = list(
+                client.chat.completions.create(
+                    model="smollm2",
+                    messages=messages,
+                    tools=[weather, clock],
+                    tool_choice="required",
+                    stream=True,
+                    temperature=0,  # greedy: the same call as the whole one
+                )
+            )
+            llm_required = ChatOpenAI(
+                model="smollm2", base_url=gateway.url + "/v1", api_key="unused", temperature=0
+            )
+            bound_required = llm_required.bind_tools([weather], tool_choice="required").invoke(
+                "Weather in Oslo?"
             )
             with pytest.raises(openai.BadRequestError) as auto:
                 client.chat.completions.create(model="smollm2", messages=messages, tools=[weather])
@@ -359,3 +379,9 @@ def test_tool_calls_through_the_gateway(runner, smollm2, redis_url, prefix):
     assert required.choices[0].message.tool_calls[0].function.name in ("get_weather", "get_time")
     assert "tool_choice" in auto.value.body["message"]
     assert bound.tool_calls[0]["name"] == "get_weather" and bound.tool_calls[0]["args"]["city"]
+    jsonschema.validate(bound_required.tool_calls[0]["args"], weather["function"]["parameters"])
+    deltas = [c.choices[0].delta for c in streamed if c.choices and c.choices[0].delta.tool_calls]
+    assembled = "".join(d.tool_calls[0].function.arguments or "" for d in deltas)
+    assert deltas[0].tool_calls[0].function.name == required.choices[0].message.tool_calls[0].function.name
+    assert json.loads(assembled) == json.loads(required.choices[0].message.tool_calls[0].function.arguments)
+    assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "tool_calls"

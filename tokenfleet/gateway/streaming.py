@@ -112,11 +112,19 @@ async def chunks(
     ``error`` event (OpenAI's clients raise it)."""
     begun = {k for k, p in enumerate(progress.positions) if p != START}
     decode = decoder(client.tokenizer)
+    calls: dict[int, list[str]] = {}  # a tool call's text by choice: it goes out whole, at its end
     try:
         async for k, event in events:
             progress.positions[k] = event.stream_id
             ident = event_id(completion, progress.positions)
-            if isinstance(event, TokenEvent):
+            if completion.tool_call and isinstance(event, TokenEvent):
+                calls.setdefault(k, []).append(event.text)
+            elif completion.tool_call and isinstance(event, DoneEvent) and event.finish_reason == "stop":
+                progress.usage[k] = event
+                yield sse(completion.tool_call_chunk(k, "".join(calls.pop(k, []))), ident)
+                yield sse(completion.chunk(k, "", [], first=False, finish="tool_calls"), ident)
+                begun.add(k)
+            elif isinstance(event, TokenEvent):
                 chunk = completion.chunk(
                     k, event.text, event.ids, k not in begun, None, event.logprobs, decode
                 )
@@ -124,6 +132,9 @@ async def chunks(
                 begun.add(k)
             elif isinstance(event, DoneEvent):
                 progress.usage[k] = event
+                if k in calls:  # a tool call cut short (length): its text, as text
+                    yield sse(completion.chunk(k, "".join(calls.pop(k)), [], first=k not in begun), ident)
+                    begun.add(k)
                 yield sse(
                     completion.chunk(k, "", [], first=k not in begun, finish=event.finish_reason), ident
                 )

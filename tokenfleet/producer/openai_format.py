@@ -161,8 +161,6 @@ class ChatBody(ChatLogprobFields, ToolFields, _Body):
     def tool_calls_alone(self) -> ChatBody:
         if self.calls_a_tool() and self.response_format is not None:
             raise ValueError("response_format and a tool call cannot be asked for together")
-        if self.calls_a_tool() and self.stream:
-            raise ValueError("stream is not supported with a tool call yet: send stream false")
         return self
 
     def inputs(self) -> list[dict[str, Any]]:
@@ -283,6 +281,13 @@ class Completion:
             choice["text"] = text
         choice["logprobs"] = shaped_logprobs(self.kind == "chat", logprobs, token_ids, decode, None)
         return {**header, "choices": [choice]}
+
+    def tool_call_chunk(self, index: int, text: str) -> dict[str, Any]:
+        """A streamed tool call, whole, from its text: the chunk before its closing one."""
+        calls = [{"index": i, **call} for i, call in enumerate(tool_calls(text))]
+        delta = {"role": "assistant", "content": None, "tool_calls": calls}
+        choice = {"index": index, "finish_reason": None, "delta": delta, "logprobs": None}
+        return {**self.header(), "object": "chat.completion.chunk", "choices": [choice]}
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         header = self.header()
