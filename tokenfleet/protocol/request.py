@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 from tokenfleet.protocol.constants import (
@@ -54,17 +55,15 @@ class Request:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @cached_property  # read per row per step: computed once (the request is frozen)
     def processes_logits(self) -> bool:
         """Whether its logits need more than temperature, top-k and top-p before sampling."""
-        return bool(
-            self.min_tokens
-            or self.presence_penalty
-            or self.frequency_penalty
-            or self.repetition_penalty != 1.0
-            or self.logit_bias
-            or self.response_format is not None
-        )
+        return any(getattr(self, k) != d for k, d in _CONTROL_DEFAULTS.items() if k != "logprobs")
+
+    @property
+    def uses_output_controls(self) -> bool:
+        """Whether any output control is asked for (the request then needs ``v`` 2)."""
+        return self.processes_logits or self.logprobs is not None
 
     @property
     def lane(self) -> int:
@@ -76,8 +75,8 @@ class Request:
         # the fields are flat: no deep copy (``asdict`` made one per prompt token)
         values = ((f.name, getattr(self, f.name)) for f in fields(self) if f.name != "extra")
         # fields at their defaults stay off the wire: older workers need not see them
-        body = {k: v for k, v in values if v is not None and not (k in _OPTIONAL and v == _OPTIONAL[k])}
-        if self.processes_logits or self.logprobs is not None:
+        body = {k: v for k, v in values if v is not None and _CONTROL_DEFAULTS.get(k) != v}
+        if self.uses_output_controls:
             body["v"] = max(self.v, OUTPUT_CONTROLS_VERSION)  # an older worker refuses, never ignores
         if self.logit_bias:
             body["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
@@ -97,13 +96,17 @@ class Request:
         return body
 
 
-_OPTIONAL = {
-    "min_tokens": 0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "logit_bias": (),
-}
+OUTPUT_CONTROLS = (
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "response_format",
+    "logprobs",
+)
+"""The request fields that change what comes back beyond its text (protocol ``v`` 2)."""
+_CONTROL_DEFAULTS = {f.name: f.default for f in fields(Request) if f.name in OUTPUT_CONTROLS}
 
 
 def smallest_bucket(buckets: Iterable[int], prompt_len: int) -> int | None:

@@ -75,8 +75,3 @@ class GrammarMasks:
         bits = allocate_token_bitmask(len(rows), self.vocab_size)
         fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bits)
         return RowMasks(rows, bits, time.perf_counter() - began)
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-            self._thread = None

@@ -4,6 +4,7 @@ backend: the same llguidance, compact JSON and closed objects as the native engi
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tokenfleet.core.grammar import closed_objects
@@ -37,8 +38,6 @@ def control_kwargs(seq: SeqState) -> dict[str, Any]:
 
 def structured_outputs(fmt: ResponseFormat) -> Any:
     """vLLM's ``StructuredOutputsParams`` for a ``response_format``."""
-    import json
-
     from vllm.sampling_params import StructuredOutputsParams
 
     match fmt.type:
