@@ -1,7 +1,8 @@
 """The Kubernetes manifests (deploy/k8s): every object of every overlay validates against the
 Kubernetes schemas (kubernetes-validate, strict) and KEDA's own CRD schemas (vendored from KEDA's
-repository, checked as kubeconform does); KEDA's triggers name the streams and the consumer group
-the workers really use, and the lag KEDA would read follows a real queue on a real Redis."""
+repository, checked as kubeconform does); KEDA's triggers read the gateway's queue totals at the
+Service the manifests define, and the lag KEDA would read there follows a real queue (bucket
+streams and affinity shards) on a real Redis."""
 
 from __future__ import annotations
 
@@ -11,25 +12,26 @@ import subprocess
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+import httpx
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 from conftest import missing
 
-from tokenfleet.protocol import GROUP, Keys
+from tokenfleet.protocol import LANES
 
 ROOT = Path(__file__).parents[2]
 K8S = ROOT / "deploy" / "k8s"
 KEDA_CRDS = Path(__file__).parent / "schemas" / "keda"  # KEDA v2.20 (commit 8b4f083), Apache-2.0
 KUBERNETES_VERSION = "1.31.0"  # the oldest Kubernetes the manifests promise to work on
 KUSTOMIZATIONS = [K8S, K8S / "overlays" / "gpu", K8S / "overlays" / "ascend"]
-# what KEDA's redis-streams scaler reads from a trigger's metadata (pkg/scalers/redis_streams_scaler.go)
-REDIS_STREAMS_KEYS = {
-    *("stream", "consumerGroup", "lagCount", "pendingEntriesCount", "streamLength"),
-    *("activationLagCount", "address", "addressFromEnv", "host", "port", "username", "password"),
-    *("databaseIndex", "enableTLS", "unsafeSsl"),
+# what KEDA's metrics-api scaler reads from a trigger's metadata (pkg/scalers/metrics_api_scaler.go)
+METRICS_API_KEYS = {
+    *("url", "valueLocation", "format", "targetValue", "activationTargetValue", "authMode"),
+    *("unsafeSsl", "method", "aggregateFromKubeServiceEndpoints", "aggregationType"),
 }
 
 
@@ -85,13 +87,13 @@ def test_every_manifest_validates_against_kubernetes_and_keda_schemas(kustomizat
     crds = crd_schemas()
     docs = render(kustomization)
     kinds = {doc["kind"] for doc in docs}
-    assert {"Deployment", "StatefulSet", "Service", "ScaledObject", "TriggerAuthentication"} <= kinds
+    assert {"Deployment", "StatefulSet", "Service", "ScaledObject"} <= kinds
     for doc in docs:
         validate(doc, crds)
         if doc["kind"] == "ScaledObject":
             for trigger in doc["spec"]["triggers"]:
-                assert trigger["type"] == "redis-streams"
-                assert set(trigger["metadata"]) <= REDIS_STREAMS_KEYS, trigger["name"]
+                assert trigger["type"] == "metrics-api"
+                assert set(trigger["metadata"]) <= METRICS_API_KEYS, trigger["name"]
 
 
 def test_the_validators_catch_a_wrong_field_or_type():
@@ -112,18 +114,6 @@ def test_the_validators_catch_a_wrong_field_or_type():
             validate(broken, crds)
 
 
-def fleet_settings(docs: list[dict[str, Any]]) -> tuple[str, list[int]]:
-    """The prefix and buckets every worker of the manifests runs with (ConfigMap, no overrides)."""
-    [config] = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "tokenfleet"]
-    [worker] = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "tokenfleet-worker"]
-    [container] = worker["spec"]["template"]["spec"]["containers"]
-    assert not any(a.startswith(("--prefix", "--buckets")) for a in container["args"])
-    assert not {e["name"] for e in container.get("env", [])} & {"TOKENFLEET_PREFIX", "TOKENFLEET_BUCKETS"}
-    assert {"configMapRef": {"name": "tokenfleet"}} in container["envFrom"]
-    buckets = [int(b) for b in config["data"]["TOKENFLEET_BUCKETS"].split(",")]
-    return config["data"]["TOKENFLEET_PREFIX"], buckets
-
-
 def triggers(docs: list[dict[str, Any]]) -> list[dict[str, str]]:
     [scaled] = [d for d in docs if d["kind"] == "ScaledObject"]
     assert scaled["spec"]["scaleTargetRef"]["name"] == "tokenfleet-worker"
@@ -131,63 +121,64 @@ def triggers(docs: list[dict[str, Any]]) -> list[dict[str, str]]:
 
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(K8S)) or "base")
-def test_keda_watches_exactly_the_streams_and_group_the_workers_read(kustomization):
+def test_keda_reads_every_lanes_totals_from_the_gateway_service(kustomization):
     docs = render(kustomization)
-    prefix, buckets = fleet_settings(docs)
-    read = {stream for lane in Keys(prefix).lane_streams(buckets) for stream in lane}
-    for factor in ("lagCount", "pendingEntriesCount"):
-        watched = [t for t in triggers(docs) if factor in t]
-        assert sorted(t["stream"] for t in watched) == sorted(read), factor
-        assert {t["consumerGroup"] for t in watched} == {GROUP}
-        assert all(t["activationLagCount"] == "0" for t in watched)  # one request wakes a fleet at zero
-
-
-def keda_lag(r, stream: str, group: str) -> int:
-    """What KEDA's lagCount trigger reads (redis_streams_scaler.go): no stream, 0; the group's
-    ``lag`` (go-redis reads a null lag as 0: it must never be null); no group yet, the length."""
-    if not r.exists(stream):
-        return 0
-    for info in r.xinfo_groups(stream):
-        if info["name"] in (group, group.encode()):
-            assert info["lag"] is not None, f"Redis cannot compute {stream}'s lag: KEDA would read 0"
-            return int(info["lag"])
-    return int(r.xlen(stream))
+    [service, gateway] = [
+        next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == "tokenfleet-gateway")
+        for kind in ("Service", "Deployment")
+    ]
+    [container] = gateway["spec"]["template"]["spec"]["containers"]
+    serve_port = int(container["args"][container["args"].index("--port") + 1])
+    [port] = service["spec"]["ports"]
+    assert {p["containerPort"] for p in container["ports"] if p["name"] == port["targetPort"]} == {serve_port}
+    expected_host = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local"
+    found = set()
+    for trigger in triggers(docs):
+        url = urlsplit(trigger["url"])
+        assert (url.hostname, url.port, url.path) == (expected_host, port["port"], "/fleet/queues")
+        assert trigger["activationTargetValue"] == "0"  # one queued request wakes a fleet at zero
+        found.add(trigger["valueLocation"])
+    assert found == {f"{lane}.{k}" for lane in LANES for k in ("lag", "pending")}
 
 
 def test_the_lag_keda_reads_rises_with_queued_requests_and_returns_to_zero(
-    run_worker, redis_url, prefix, r, model_path
+    run_worker, gateways, redis_url, prefix, r, model_path
 ):
     from tokenfleet.config import DynamicBatchingConfig
     from tokenfleet.producer import Client
 
-    docs = render(K8S)
-    manifest_prefix, buckets = fleet_settings(docs)
-    mine = Keys(prefix)  # the manifests' streams under this test's own prefix
+    [config] = [d for d in render(K8S) if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "tokenfleet"]
+    buckets = [int(b) for b in config["data"]["TOKENFLEET_BUCKETS"].split(",")]
+    gateway = gateways()
 
-    def stream_of(trigger: dict[str, str]) -> str:
-        return trigger["stream"].replace(Keys(manifest_prefix).tag, mine.tag, 1)
-
-    watched = [t for t in triggers(docs) if "lagCount" in t]
+    def read(location: str) -> int:
+        """What KEDA's metrics-api trigger reads: the JSON at the trigger's valueLocation."""
+        value: Any = httpx.get(gateway.url + "/fleet/queues", timeout=10).json()
+        for part in location.split("."):
+            value = value[part]
+        return int(value)
 
     def lag() -> int:
-        return sum(keda_lag(r, stream_of(t), t["consumerGroup"]) for t in watched)
+        return sum(read(f"{lane}.lag") for lane in LANES)
 
-    assert lag() == 0
     client = Client(redis_url, model=str(model_path), prefix=prefix)
-    # a fleet at zero replicas: nobody serves, every request waits where KEDA looks
+    r.sadd(client.keys.buckets, *buckets)  # a fleet scaled to zero: its buckets stay announced
+    assert lag() == 0
     queued = [
         client.submit(f"scale me {i}", max_new_tokens=4, priority=("interactive", "batch")[i % 2])
         for i in range(10)
     ]
-    assert lag() == 10
+    assert {h.stream_key.rsplit(":", 1)[-1][0] for h in queued} == {"s"}  # on affinity shards
+    assert len({h.stream_key for h in queued}) > 2
+    assert (read("interactive.lag"), read("batch.lag")) == (5, 5)
     batching = DynamicBatchingConfig(max_wait_ms=5, max_batch_size=4, buckets=tuple(buckets))
     with run_worker(batching, trim_interval_s=0.2) as running:  # KEDA's activation: a worker comes up
         assert [len(h.result(timeout=120).token_ids) for h in queued] == [4] * 10
         more = [client.submit(f"again {i}", max_new_tokens=4) for i in range(6)]
         [h.result(timeout=120) for h in more]
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(r.xlen(stream_of(t)) for t in watched):
+        while time.monotonic() < deadline and any(r.xlen(h.stream_key) for h in queued + more):
             time.sleep(0.1)  # trimmed as acknowledged: lag must stay computable after trims
         assert running.worker.requests_finished == 16
     assert lag() == 0
-    assert all(keda_lag(r, stream_of(t), GROUP) == 0 and r.xlen(stream_of(t)) == 0 for t in watched)
+    assert sum(read(f"{lane}.pending") for lane in LANES) == 0

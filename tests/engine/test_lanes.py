@@ -16,6 +16,7 @@ from tokenfleet.engines.native.core import NativeCore
 from tokenfleet.engines.native.runner import ModelRunner
 from tokenfleet.kvcache.allocator import BlockAllocator
 from tokenfleet.protocol import Keys, Request
+from tokenfleet.protocol.affinity import SHARDS
 
 INTERACTIVE, BATCH = 0, 1
 
@@ -174,9 +175,19 @@ def test_lane_streams_and_queue_names():
     keys = Keys("p")
     assert keys.request_stream(128) == "{p}:req:128"
     assert keys.request_stream(128, "batch") == "{p}:req:128:batch"
+    assert keys.shard_stream(128, "batch", 3) == "{p}:req:128:batch:s3"
+    shards = [f"s{k}" for k in range(SHARDS)]
     assert keys.lane_streams([16, 32]) == [
-        ["{p}:req:16", "{p}:req:32", "{p}:req:auto"],
-        ["{p}:req:16:batch", "{p}:req:32:batch", "{p}:req:auto:batch"],
+        [
+            *("{p}:req:16", *(f"{{p}}:req:16:{s}" for s in shards)),
+            *("{p}:req:32", *(f"{{p}}:req:32:{s}" for s in shards)),
+            "{p}:req:auto",
+        ],
+        [
+            *("{p}:req:16:batch", *(f"{{p}}:req:16:batch:{s}" for s in shards)),
+            *("{p}:req:32:batch", *(f"{{p}}:req:32:batch:{s}" for s in shards)),
+            "{p}:req:auto:batch",
+        ],
     ]
     assert Keys.queue_name("auto", "batch") == "auto:batch"
 

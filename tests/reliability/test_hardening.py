@@ -37,9 +37,10 @@ def error_of(client, request_id, timeout=30):
 def pending(r, prefix):
     keys = Keys(prefix)
     return sum(
-        r.xpending(keys.request_stream(b), GROUP)["pending"]
+        r.xpending(stream, GROUP)["pending"]
         for b in (16, 64, "auto")
-        if r.exists(keys.request_stream(b))
+        for stream in keys.queue_streams(b)
+        if r.exists(stream)
     )
 
 

@@ -14,6 +14,7 @@ from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.errors import RequestFailed
 from tokenfleet.producer import Client
 from tokenfleet.protocol import GROUP, ErrorCode, Keys, TokenEvent
+from tokenfleet.protocol.affinity import shard_of
 
 LONG = DynamicBatchingConfig(max_wait_ms=10, max_batch_size=8, max_seq_len=4096, buckets=(16, 64))
 
@@ -41,9 +42,10 @@ def test_redelivered_request_resumes_from_streamed_tokens(
     client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
     prompt = "resume me"
     expected = reference.greedy(reference.ids(prompt), 20, ignore_eos=True)
-    r.xgroup_create(keys.request_stream(16), GROUP, id="0", mkstream=True)
     handle = client.submit(prompt, max_new_tokens=20, ignore_eos=True)
-    assert ghost_takes(r, keys.request_stream(16))
+    stream = handle.stream_key  # its affinity shard of bucket 16
+    r.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    assert ghost_takes(r, stream)
     # the dead worker had streamed 7 tokens before it died
     for i, tok in enumerate(expected[:7]):
         ev = TokenEvent(i, [tok], "")
@@ -53,7 +55,7 @@ def test_redelivered_request_resumes_from_streamed_tokens(
         assert running.worker.reclaimed == 1
     assert res.token_ids == expected
     assert_clean_reply(events_of(r, prefix, handle.id), expected)
-    assert r.xpending(keys.request_stream(16), GROUP)["pending"] == 0
+    assert r.xpending(stream, GROUP)["pending"] == 0
 
 
 @pytest.mark.parametrize("found", ["claimed from a dead consumer", "in its own pending list at start"])
@@ -63,11 +65,10 @@ def test_an_entry_past_max_attempts_is_dead_lettered_without_being_run(
     """A poison entry is recognised by its delivery count alone (it is never decoded or run),
     however the worker comes by it: claimed after another consumer died holding it, or re-read
     from its own pending list after a restart under the same name. The worker goes on serving."""
-    keys = Keys(prefix)
-    stream = keys.request_stream(16)
-    r.xgroup_create(stream, GROUP, id="0", mkstream=True)
     client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
     handle = client.submit("poison", max_new_tokens=4)
+    stream = handle.stream_key
+    r.xgroup_create(stream, GROUP, id="0", mkstream=True)
     if found == "claimed from a dead consumer":
         ((_, [(entry_id, _)]),) = ghost_takes(r, stream)
         r.xclaim(stream, GROUP, "ghost", 0, [entry_id], retrycount=5)  # already delivered 5 times
@@ -82,7 +83,7 @@ def test_an_entry_past_max_attempts_is_dead_lettered_without_being_run(
         assert len(client.submit("after", max_new_tokens=2).result(timeout=60).token_ids) == 2
         worker.assert_healthy()
     assert info.value.code == ErrorCode.TOO_MANY_ATTEMPTS
-    assert [f[b"code"] for _, f in r.xrange(keys.dead_letter)] == [b"too_many_attempts"]
+    assert [f[b"code"] for _, f in r.xrange(Keys(prefix).dead_letter)] == [b"too_many_attempts"]
     assert r.xpending(stream, GROUP)["pending"] == 0
 
 
@@ -143,7 +144,7 @@ def test_cancel_queued_request_never_starts(run_worker, redis_url, prefix, r, mo
         res = handle.result(timeout=10)
         assert running.prefill_sizes == []
     assert res.finish_reason == "cancelled" and res.token_ids == []
-    assert r.xpending(Keys(prefix).request_stream(16), GROUP)["pending"] == 0
+    assert r.xpending(handle.stream_key, GROUP)["pending"] == 0
 
 
 def test_cancel_running_request_stops_within_a_step_and_frees_blocks(
@@ -211,23 +212,31 @@ def test_server_queue_timeout(run_worker, redis_url, prefix, model_path):
 
 
 def test_full_queue_refuses_with_queue_full_instead_of_trimming(run_worker, redis_url, prefix, r, model_path):
+    """max_queue counts what waits over the bucket's stream and all its affinity shards."""
     from tokenfleet.errors import QueueFull
+    from tokenfleet.transport.status import queue_totals
 
     slow = DynamicBatchingConfig(
         max_wait_ms=0, max_batch_size=2, max_seq_len=4096, buckets=(16,), mode="dynamic"
     )
     keys = Keys(prefix)
+    streams = keys.queue_streams(16)
     with run_worker(slow, max_queue=3):
         client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16])
         handles = []
         with pytest.raises(QueueFull, match="max_queue 3"):
-            for _ in range(20):
-                handles.append(client.submit("q", max_new_tokens=3000, ignore_eos=True))
+            for i in range(20):
+                handles.append(client.submit(f"q{i}", max_new_tokens=3000, ignore_eos=True))
                 time.sleep(0.1)
-        lag = next(g for g in r.xinfo_groups(keys.request_stream(16)) if g["name"] == b"workers")["lag"]
-        # the worker holds 2 running + at most 2 read ahead; 3 more wait undelivered
-        assert lag == 3 and 3 < len(handles) <= 7
-        assert r.xlen(keys.request_stream(16)) == len(handles)  # nothing was trimmed away
+        assert len({h.stream_key for h in handles}) > 1  # spread over shards, counted together
+        # the worker holds 2 running + 1 read ahead (a quarter batch, at least 1); the rest wait
+        # undelivered (3 when the worker kept up with the submissions)
+        assert 3 < len(handles) <= 6
+        deadline = time.monotonic() + 30
+        while queue_totals(r, streams, time.time())["depth"] != len(handles) - 3:
+            assert time.monotonic() < deadline, queue_totals(r, streams, time.time())
+            time.sleep(0.05)
+        assert sum(r.xlen(s) for s in streams) == len(handles)  # nothing was trimmed away
         for h in handles:
             h.cancel()
         assert {h.result(timeout=30).finish_reason for h in handles} == {"cancelled"}
@@ -237,14 +246,14 @@ def test_streams_are_trimmed_of_acknowledged_entries_only(run_worker, redis_url,
     """Trims run while an entry is unacknowledged (a long request still running, with entries
     acknowledged on both sides of it): the ones before it go, it and those after it stay until it
     is done; then the stream empties."""
-    keys = Keys(prefix)
-    stream = keys.request_stream(16)
+    key = "trim"  # one affinity key: every request on one shard stream
+    stream = Keys(prefix).shard_stream(16, "interactive", shard_of({"cache_key": key}))
     client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
     with run_worker(LONG, trim_interval_s=0.05):
-        client.submit("before", max_new_tokens=2).result(timeout=60)
-        long = client.submit("long", max_new_tokens=3000, ignore_eos=True)
+        client.submit("before", max_new_tokens=2, cache_key=key).result(timeout=60)
+        long = client.submit("long", max_new_tokens=3000, ignore_eos=True, cache_key=key)
         ((long_entry, _),) = r.xrevrange(stream, count=1)  # the newest entry: nothing else submits
-        for h in [client.submit(f"after {i}", max_new_tokens=2) for i in range(5)]:
+        for h in [client.submit(f"after {i}", max_new_tokens=2, cache_key=key) for i in range(5)]:
             h.result(timeout=60)
         deadline = time.monotonic() + 30
         while [e for e, _ in r.xrange(stream)][:1] != [long_entry]:  # "before" trimmed, "long" first
@@ -265,11 +274,10 @@ def test_streams_are_trimmed_of_acknowledged_entries_only(run_worker, redis_url,
 def test_restart_under_the_same_name_resumes_its_own_pending_at_once(
     run_worker, redis_url, prefix, r, model_path, reference
 ):
-    keys = Keys(prefix)
-    stream = keys.request_stream(16)
-    r.xgroup_create(stream, GROUP, id="0", mkstream=True)
     client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
     handle = client.submit("mine", max_new_tokens=6)
+    stream = handle.stream_key
+    r.xgroup_create(stream, GROUP, id="0", mkstream=True)
     r.xreadgroup(GROUP, "worker-7", {stream: ">"})  # a worker named worker-7 took it, then restarted
     # claim_idle_ms is long: only reading its own pending list can explain a prompt finish
     with run_worker(LONG, name="worker-7", claim_idle_ms=600_000):

@@ -115,13 +115,13 @@ def test_many_workers_many_producers_every_request_once(fleet_url, prefix, tiny_
         log.seek(0)
         finished += [int(n) for n in re.findall(r"stopped after (\d+) requests", log.read())]
     assert sum(finished) == REQUESTS, f"requests served to completion: {finished} (a duplicate would add one)"
-    for bucket in (16, 32, 64, "auto"):
-        stream = Keys(prefix).request_stream(bucket)
+    keys = Keys(prefix)
+    streams = [s for b in (16, 32, 64, "auto") for s in keys.queue_streams(b)]
+    for stream in streams:
         if client.exists(stream):
             assert client.xpending(stream, GROUP)["pending"] == 0
     if isinstance(client, RedisCluster):
-        keys = Keys(prefix)
-        slots = {client.keyslot(keys.request_stream(b)) for b in (16, 32, 64, "auto")}
+        slots = {client.keyslot(stream) for stream in streams}
         assert len(slots) == 1, "the request streams must share one slot"
         reply_nodes = {client.get_node_from_key(keys.reply_stream(f"req-{i}")).name for i in range(50)}
         assert len(reply_nodes) == 3, "reply streams should spread over every node"

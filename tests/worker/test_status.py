@@ -50,11 +50,11 @@ def test_status_shows_live_worker_and_queues_matching_redis(run_worker, redis_ur
     assert json.loads(out.stdout)["queues"]["128"]["depth"] == 4
     [worker] = report["workers"]
     assert worker["name"] == running.worker.name and worker["alive"] and worker["buckets"] == [16, 32, 64]
-    assert worker["finished"] == 3
+    assert worker["finished"] == 3 and worker["shards_owned"] == 48
     assert 0 < worker["prefix_cache_hits"] < worker["prefix_cache_queries"]
     hit_rate = f"{worker['prefix_cache_hits'] / worker['prefix_cache_queries']:.0%}"
     worker_row = next(line for line in table.stdout.splitlines() if line.startswith(running.worker.name[:28]))
-    assert worker_row.split()[-1] == hit_rate
+    assert worker_row.split()[-2:] == [hit_rate, "48"]  # the only worker: all 16 shards of 3 buckets
     assert report["queues"]["128"]["depth"] == 4 and report["queues"]["128"]["oldest_waiting_s"] >= 0
     assert report["queues"]["16"] == {
         "bucket": 16,

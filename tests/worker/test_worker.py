@@ -88,7 +88,7 @@ def test_concurrent_mixed_requests_over_buckets_match_generate(
     assert max(running.prefill_sizes) > 1, "concurrent requests were never batched"
     # everything acknowledged: nothing left pending in any group
     for bucket in batching.buckets:
-        assert r.xpending(Keys(prefix).request_stream(bucket), GROUP)["pending"] == 0
+        assert all(r.xpending(s, GROUP)["pending"] == 0 for s in Keys(prefix).queue_streams(bucket))
 
 
 def test_async_client_streams_and_result_replays_later(run_worker, redis_url, prefix, model_path, reference):
@@ -272,7 +272,7 @@ def test_reply_key_of_the_wrong_type_does_not_wedge_the_worker(
         res = client.submit("after", max_new_tokens=3).result(timeout=60)
         assert res.token_ids == reference.greedy(reference.ids("after"), 3)
         running.assert_healthy()
-    assert r.xpending(keys.request_stream(16), GROUP)["pending"] == 0
+    assert all(r.xpending(s, GROUP)["pending"] == 0 for s in keys.queue_streams(16))
 
 
 def counting_client(redis_url: str):
@@ -439,7 +439,7 @@ def test_a_round_trip_lost_during_a_step_loses_no_token(
     for i, (h, res) in enumerate(zip(handles, results)):
         assert res.token_ids == reference.greedy(reference.ids(f"prompt {i}"), 24, ignore_eos=True)
         assert_one_terminal(reply_events(r, prefix, h.id))
-    assert r.xpending(Keys(prefix).request_stream(64), GROUP)["pending"] == 0
+    assert all(r.xpending(s, GROUP)["pending"] == 0 for s in Keys(prefix).queue_streams(64))
 
 
 def test_one_script_call_publishes_a_step_and_survives_a_lost_script_and_a_resend(prefix, tmp_path):

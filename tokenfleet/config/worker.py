@@ -46,6 +46,12 @@ class ReliabilityConfig:
     trim_interval_s: float = setting(
         5.0, "How often acknowledged entries are trimmed from the request streams."
     )
+    steal_after_ms: int = setting(
+        500,
+        "Prefix affinity: take a request from a shard another live worker owns only once it has "
+        "waited there this long (its owner holds the prefix's KV cache). 0: no affinity, every "
+        "worker reads every shard alike.",
+    )
 
     def __post_init__(self) -> None:
         if self.claim_idle_ms < 100:
@@ -58,6 +64,8 @@ class ReliabilityConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value!r}")
+        if self.steal_after_ms < 0:
+            raise ValueError(f"steal_after_ms must be >= 0, got {self.steal_after_ms!r}")
         if self.trim_interval_s <= 0:
             raise ValueError(f"trim_interval_s must be > 0, got {self.trim_interval_s!r}")
 

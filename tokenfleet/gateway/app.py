@@ -3,6 +3,7 @@ job runner thread."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -20,9 +21,10 @@ from tokenfleet.config import GatewayConfig
 from tokenfleet.gateway import batches, completions, errors, files
 from tokenfleet.gateway.errors import APIError
 from tokenfleet.gateway.service import Service
+from tokenfleet.transport.status import lane_queues
 
 log = logging.getLogger(__name__)
-OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no key
+OPEN_PATHS = ("/health", "/metrics", "/fleet/queues")  # probes, scrapers and autoscalers need no key
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -58,6 +60,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/fleet/queues")
+    async def fleet_queues(request: Request) -> dict[str, Any]:
+        """Per lane, requests waiting and in flight over every stream: KEDA's metrics-api
+        trigger scales the workers on it (deploy/k8s/base/keda.yaml)."""
+        service = request.app.state.service
+        return await asyncio.to_thread(lane_queues, service.sync_redis(), service.client.keys)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

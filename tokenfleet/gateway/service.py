@@ -8,10 +8,13 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
+
 from tokenfleet.config import GatewayConfig
 from tokenfleet.gateway.fleet import Fleet
 from tokenfleet.gateway.records import Records
 from tokenfleet.producer import AsyncClient
+from tokenfleet.transport.connection import connect_client
 
 
 @dataclass
@@ -28,6 +31,13 @@ class Service:
         return cls(config, client, records, Fleet(client.redis, client.keys))
 
     background: set[asyncio.Task[None]] = field(default_factory=set)
+    _sync_redis: redis.Redis | None = None
+
+    def sync_redis(self) -> redis.Redis:
+        """A blocking client, for the rare route that runs Redis-side code on a thread."""
+        if self._sync_redis is None:
+            self._sync_redis = connect_client(self.config.redis.url)
+        return self._sync_redis
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` after the response is gone (a task kept until it ends)."""
@@ -37,3 +47,5 @@ class Service:
 
     async def close(self) -> None:
         await self.client.close()
+        if self._sync_redis is not None:
+            self._sync_redis.close()

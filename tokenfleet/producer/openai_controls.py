@@ -9,18 +9,21 @@ A field a body may carry but this gateway does not honour is refused by name (HT
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from tokenfleet.protocol import TokenLogprob
+from tokenfleet.protocol.affinity import MAX_CACHE_KEY_LEN
 from tokenfleet.protocol.constants import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from tokenfleet.protocol.output_controls import parse_logit_bias, parse_response_format
 
 ACCEPTED_NO_EFFECT = ("user", "metadata", "store", "prompt_cache_key", "safety_identifier")
 """Fields taken and kept out of the output: labels for the caller's own records, and
-``prompt_cache_key`` (a routing hint; the fleet routes without it for now)."""
+``prompt_cache_key`` (with ``user`` as its fallback), which becomes the request's affinity
+``cache_key``: requests that share it reach the worker holding their prefix."""
 
 Decode = Callable[[int], str]
 """A token id's text (the gateway's tokenizer), for OpenAI's ``token`` strings."""
@@ -85,6 +88,11 @@ class ControlFields(BaseModel):
             params["stop_token_ids"] = self.stop_token_ids
         if logprobs is not None:
             params["logprobs"] = logprobs
+        key = self.prompt_cache_key or getattr(self, "user", None)
+        if key:  # a key longer than the protocol takes keeps its identity through a digest
+            params["cache_key"] = (
+                key if len(key) <= MAX_CACHE_KEY_LEN else hashlib.sha256(key.encode()).hexdigest()
+            )
         return params
 
 

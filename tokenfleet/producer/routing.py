@@ -14,6 +14,7 @@ from typing import Any
 from tokenfleet import protocol
 from tokenfleet.errors import QueueFull, ResultTimeout
 from tokenfleet.protocol import Keys, Request, ResponseFormat
+from tokenfleet.protocol.affinity import shard_of
 from tokenfleet.protocol.output_controls import parse_logit_bias, parse_response_format
 
 READ_BLOCK_MS = 1000  # longest single XREAD wait while following a reply stream
@@ -83,17 +84,16 @@ def response_format_of(value: Any) -> ResponseFormat | None:
 
 
 def target_stream(keys: Keys, request: Request, buckets: list[int]) -> str:
-    """The stream a request goes to, in its lane: the smallest served bucket that holds its
-    tokens; ``auto`` when its length is unknown here or no worker has announced buckets. Too long
-    for every bucket: the largest, so that a worker answers with a clear ``prompt_too_long``."""
+    """The stream a request goes to, in its lane: the affinity shard (docs/PROTOCOL.md) of the
+    smallest served bucket that holds its tokens; ``auto`` when its length is unknown here or no
+    worker has announced buckets. Too long for every bucket: the largest, so that a worker answers
+    with a clear ``prompt_too_long``."""
     lane = request.priority
     if request.input_ids is None or not buckets:
         return keys.auto_stream_of(lane)
     n = len(request.input_ids)
-    for bucket in sorted(buckets):
-        if n <= bucket:
-            return keys.request_stream(bucket, lane)
-    return keys.request_stream(max(buckets), lane)
+    bucket = protocol.smallest_bucket(buckets, n) or max(buckets)
+    return keys.shard_stream(bucket, lane, shard_of(request.to_wire()))
 
 
 def next_block_ms(request_id: str, deadline: float | None, timeout: float | None) -> int:
@@ -119,6 +119,10 @@ def queue_full_error(error: Exception) -> QueueFull | None:
 
 def enqueue_args(keys: Keys, stream: str, request: Request) -> tuple[list[str], list]:
     """KEYS and ARGV of :data:`~tokenfleet.transport.scripts.ENQUEUE` for one request: the stream,
-    the limits hash, the stream's field in it (``128``, ``128:batch``) and the body."""
-    field = stream.split(":req:", 1)[1]
-    return [stream, keys.max_queue], [field, protocol.pack(request.to_wire())]
+    the limits hash and every stream of its queue (whose waiting entries count together); the
+    queue's field in the hash (``128``, ``128:batch``) and the body."""
+    body = request.to_wire()
+    bucket = stream.split(":req:", 1)[1].split(":", 1)[0]
+    name = keys.queue_name(bucket, request.priority)
+    siblings = keys.queue_streams(int(bucket) if bucket.isdigit() else bucket, request.priority)
+    return [stream, keys.max_queue, *siblings], [name, protocol.pack(body)]

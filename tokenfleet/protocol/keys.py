@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from tokenfleet.protocol.affinity import SHARDS
 from tokenfleet.protocol.constants import AUTO_BUCKET, DEFAULT_LANE, LANES
 
 
@@ -51,12 +52,26 @@ class Keys:
         """``lane``'s ingress stream for untokenized prompts."""
         return self.request_stream(AUTO_BUCKET, lane)
 
+    def shard_stream(self, bucket: int, lane: str, shard: int) -> str:
+        """Shard ``shard`` of a bucket's stream (``{P}:req:<bucket>[:<lane>]:s<shard>``): producers
+        that follow the affinity rule (docs/PROTOCOL.md) put requests here."""
+        return f"{self.request_stream(bucket, lane)}:s{shard}"
+
+    def queue_streams(self, bucket: int | str, lane: str = DEFAULT_LANE) -> list[str]:
+        """Every stream of one queue: the bucket's own stream (for producers that know nothing of
+        shards), then its shards; ``auto`` has no shards."""
+        base = self.request_stream(bucket, lane)
+        if bucket == AUTO_BUCKET:
+            return [base]
+        return [base, *(f"{base}:s{k}" for k in range(SHARDS))]
+
     def lane_streams(self, buckets: Iterable[int]) -> list[list[str]]:
-        """The request streams a worker serving ``buckets`` reads, lane by lane, highest first:
-        each bucket's, then the lane's ``auto`` stream."""
+        """Every request stream a worker serving ``buckets`` may read, lane by lane, highest first:
+        each bucket's stream and its shards, then the lane's ``auto`` stream."""
         buckets = list(buckets)
         return [
-            [*(self.request_stream(b, lane) for b in buckets), self.auto_stream_of(lane)] for lane in LANES
+            [*(s for b in buckets for s in self.queue_streams(b, lane)), self.auto_stream_of(lane)]
+            for lane in LANES
         ]
 
     def reply_stream(self, request_id: str) -> str:

@@ -48,6 +48,7 @@ class Request:
     # its bucket: the queue time and the max_wait_ms window count from there, not from the move
     enqueued_ms: int | None = None
     priority: str = DEFAULT_LANE  # one of LANES
+    cache_key: str | None = None  # affinity: requests sharing it go to one shard (protocol.affinity)
     v: int = PROTOCOL_VERSION
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 

@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from tokenfleet.errors import ProtocolError
+from tokenfleet.protocol.affinity import MAX_CACHE_KEY_LEN
 from tokenfleet.protocol.constants import (
     DEFAULT_MAX_NEW_TOKENS,
     LANES,
@@ -52,7 +53,17 @@ LIST_FIELDS = ("input_ids", "stop", "stop_token_ids", "messages")
 """Fields that hold arrays (JSON arrays in the plain form)."""
 MAP_FIELDS = ("response_format", "logit_bias")
 """Fields that hold maps (JSON objects in the plain form)."""
-_KNOWN = {*INT_FIELDS, *FLOAT_FIELDS, *LIST_FIELDS, *MAP_FIELDS, "id", "prompt", "ignore_eos", "priority"}
+_KNOWN = {
+    *INT_FIELDS,
+    *FLOAT_FIELDS,
+    *LIST_FIELDS,
+    *MAP_FIELDS,
+    "id",
+    "prompt",
+    "ignore_eos",
+    "priority",
+    "cache_key",
+}
 
 _ID_RE = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_ID_LEN}}}")  # fullmatch: no newline slips past a "$"
 
@@ -138,6 +149,11 @@ class _Fields:
             if body["priority"] not in LANES:
                 raise self.bad(f"priority must be one of {', '.join(LANES)}")
             kw["priority"] = body["priority"]
+        if body.get("cache_key") is not None:
+            key = body["cache_key"]
+            if not (isinstance(key, str) and 0 < len(key) <= MAX_CACHE_KEY_LEN):
+                raise self.bad(f"cache_key must be a string of 1-{MAX_CACHE_KEY_LEN} characters")
+            kw["cache_key"] = key
         kw["extra"] = {k: v for k, v in body.items() if k not in _KNOWN}
         return Request(**kw)
 

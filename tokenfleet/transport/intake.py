@@ -73,26 +73,41 @@ def _read_entries(resp: Any) -> list[Entry]:
 
 class StreamReader:
     """Reads new entries for one consumer from the request streams of each priority lane, fairly
-    within a lane and bounded per lane."""
+    within a lane and bounded per lane: its own streams first, then entries that waited past
+    ``steal_after_ms`` on the shards other workers own (:mod:`tokenfleet.transport.shards`)."""
 
-    def __init__(self, client: redis.Redis, lanes: Sequence[Sequence[str]], consumer: str):
+    def __init__(
+        self,
+        client: redis.Redis,
+        lanes: Sequence[Sequence[str]],
+        consumer: str,
+        steal_after_ms: int = 500,
+    ):
         self.client = client
-        self.lanes = [list(streams) for streams in lanes]
-        self.streams = [stream for streams in self.lanes for stream in streams]
+        self.all_lanes = [list(streams) for streams in lanes]  # every stream this worker may read
+        self.streams = [stream for streams in self.all_lanes for stream in streams]
+        self._lane = {stream: k for k, streams in enumerate(self.all_lanes) for stream in streams}
         self.consumer = consumer
+        self.steal_after_ms = steal_after_ms
         self._script = client.register_script(scripts.READ_BOUNDED)
         self._trim = client.register_script(scripts.TRIM_ACKED)
+        self.assign([list(streams) for streams in lanes], [[] for _ in lanes])
+
+    def assign(self, own: Sequence[Sequence[str]], others: Sequence[Sequence[str]]) -> None:
+        """Which streams of each lane are read first (``own``) and which only stolen from."""
+        self.lanes = [list(streams) for streams in own]
+        self.others = [list(streams) for streams in others]
         self._rotations = [itertools.cycle(range(len(streams))) for streams in self.lanes]
 
     def ensure_groups(self) -> None:
         """Create the consumer group on every stream, from id 0, so that requests enqueued before
-        any worker existed are served."""
+        any worker existed are served (one pipeline: a bucket has a stream per shard)."""
+        pipe = self.client.pipeline(transaction=False)
         for stream in self.streams:
-            try:
-                self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
-            except redis.ResponseError as e:
-                if "BUSYGROUP" not in str(e):
-                    raise
+            pipe.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        for reply in pipe.execute(raise_on_error=False):
+            if isinstance(reply, Exception) and "BUSYGROUP" not in str(reply):
+                raise reply
 
     def read_own_pending(self, count: int) -> list[Entry]:
         """Entries this consumer name was given and never acknowledged (a worker restarted under a
@@ -103,13 +118,16 @@ class StreamReader:
     def trim_acknowledged(self) -> int:
         """Remove acknowledged entries from every stream (never an unacknowledged one), so Redis
         memory stays bounded on a long run; returns how many were removed."""
-        return sum(int(self._trim(keys=[stream], args=[GROUP])) for stream in self.streams)
+        pipe = self.client.pipeline(transaction=False)
+        for stream in self.streams:
+            self._trim(keys=[stream], args=[GROUP], client=pipe)
+        return sum(int(n) for n in pipe.execute())
 
     def read(self, budget: Sequence[int], block_ms: int | None) -> list[Entry]:
         """Up to ``budget[k]`` new entries of lane ``k``. With ``block_ms``, wait that long for the
-        first one (that wait reads at most one entry per stream); the rest is read without
-        waiting. Within a lane, streams are visited from a rotating start so that a busy stream
-        cannot starve a quiet one."""
+        first one on our own streams (that wait reads at most one entry per stream); the rest is
+        read without waiting, stolen entries included. Within a lane, streams are visited from a
+        rotating start so that a busy stream cannot starve a quiet one."""
         budget = list(budget)
         if not any(allowed > 0 for allowed in budget):
             return []
@@ -120,8 +138,6 @@ class StreamReader:
                 GROUP, self.consumer, {s: ">" for s in open_streams}, count=1, block=max(1, block_ms)
             )
             entries += _read_entries(resp)
-            if not entries:
-                return []
             for entry in entries:
                 budget[self.lane_of(entry.stream)] -= 1
         if any(allowed > 0 for allowed in budget):
@@ -145,17 +161,18 @@ class StreamReader:
         return self._parse(reply)
 
     def _read_args(self, budget: Sequence[int]) -> tuple[list[str], list[Any]]:
-        """KEYS and ARGV of :data:`scripts.READ_BOUNDED`: each lane's streams from a rotating start."""
+        """KEYS and ARGV of :data:`scripts.READ_BOUNDED`: each lane's own streams from a rotating
+        start, then the shards it may steal from."""
         keys: list[str] = []
-        args: list[Any] = [GROUP, self.consumer]
-        for streams, rotation, allowed in zip(self.lanes, self._rotations, budget):
+        args: list[Any] = [GROUP, self.consumer, self.steal_after_ms]
+        for own, others, rotation, allowed in zip(self.lanes, self.others, self._rotations, budget):
             start = next(rotation)
-            keys += streams[start:] + streams[:start]
-            args += [len(streams), max(0, allowed)]
+            keys += own[start:] + own[:start] + others
+            args += [len(own), len(others), max(0, allowed)]
         return keys, args
 
     def lane_of(self, stream: str) -> int:
-        return next(k for k, streams in enumerate(self.lanes) if stream in streams)
+        return self._lane[stream]
 
     @staticmethod
     def _parse(reply: Any) -> list[Entry]:

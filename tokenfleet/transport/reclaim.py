@@ -69,7 +69,7 @@ class Reclaimer:
             return []
         self._last_claim = now
         claimed: list[Incoming] = []
-        for stream in self.streams:
+        for stream in self._with_pending():
             if len(claimed) >= room:
                 break
             items = self._autoclaim(stream, room - len(claimed))
@@ -79,6 +79,15 @@ class Reclaimer:
         if claimed:
             log.info("claimed %d entries left idle by other workers", len(claimed))
         return claimed
+
+    def _with_pending(self) -> list[str]:
+        """The streams where some entry is pending at all (one pipelined look: a bucket has a
+        stream per shard, and most hold nothing pending most of the time)."""
+        pipe = self.client.pipeline(transaction=False)
+        for stream in self.streams:
+            pipe.xpending(stream, GROUP)
+        replies = pipe.execute(raise_on_error=False)
+        return [s for s, r in zip(self.streams, replies) if isinstance(r, dict) and r.get("pending")]
 
     def own(self, entries: list[Entry]) -> list[Incoming]:
         """Our own pending ``entries`` (read again after a restart), decoded."""

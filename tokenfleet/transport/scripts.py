@@ -7,37 +7,65 @@ Each runs atomically on one server (on a cluster, over keys of one hash slot). P
 from __future__ import annotations
 
 ENQUEUE = """
--- KEYS[1] request stream, KEYS[2] the max_queue hash; ARGV[1] its queue name, ARGV[2] msgpack body.
--- Adds the request unless the stream already holds max_queue entries no worker has taken yet.
+-- KEYS[1] request stream, KEYS[2] the max_queue hash, KEYS[3..] every stream of KEYS[1]'s queue
+-- (the bucket's stream and its shards; none: KEYS[1] alone); ARGV[1] the queue's name, ARGV[2]
+-- msgpack body. Adds the request unless the queue holds max_queue entries no worker has taken yet.
 local limit = tonumber(redis.call('HGET', KEYS[2], ARGV[1]))
 if limit then
-  local depth = redis.call('XLEN', KEYS[1])
-  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
-  if ok then
-    for _, g in ipairs(groups) do
-      for i = 1, #g, 2 do
-        if g[i] == 'name' and g[i + 1] ~= 'workers' then break end
-        if g[i] == 'lag' and g[i + 1] then depth = g[i + 1] end
+  local depth = 0
+  local first = 3
+  if #KEYS < 3 then first = 1 end
+  for k = first, #KEYS do
+    if k ~= 2 then
+      local waiting = redis.call('XLEN', KEYS[k])
+      local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[k])
+      if ok then
+        for _, g in ipairs(groups) do
+          for i = 1, #g, 2 do
+            if g[i] == 'name' and g[i + 1] ~= 'workers' then break end
+            if g[i] == 'lag' and g[i + 1] then waiting = g[i + 1] end
+          end
+        end
       end
+      depth = depth + waiting
     end
   end
   if depth >= limit then
-    return redis.error_reply('QUEUEFULL ' .. KEYS[1] .. ' holds ' .. depth ..
+    return redis.error_reply('QUEUEFULL ' .. ARGV[1] .. ' holds ' .. depth ..
                              ' waiting requests (max_queue ' .. limit .. ')')
   end
 end
 return redis.call('XADD', KEYS[1], '*', 'm', ARGV[2])
 """
-"""XADD a request unless its bucket's queue is full (PROTOCOL.md, Backpressure)."""
+"""XADD a request unless its queue is full (PROTOCOL.md, Backpressure)."""
 
 READ_BOUNDED = """
 local out = {}
 local k = 1
-for a = 3, #ARGV, 2 do
-  local n, remaining = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-  for i = k, k + n - 1 do
-    if remaining > 0 then
-      local res = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', remaining,
+local now = redis.call('TIME')
+local cutoff = string.format('%.0f', now[1] * 1000 + math.floor(now[2] / 1000) - tonumber(ARGV[3]))
+for a = 4, #ARGV, 3 do
+  local n_own, n_other, remaining = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  for i = k, k + n_own + n_other - 1 do
+    local count = remaining
+    if i >= k + n_own and remaining > 0 then  -- another's shard: only what waited past the cutoff
+      count = 0
+      local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[i])
+      if ok then
+        for _, g in ipairs(groups) do
+          local name, last
+          for j = 1, #g, 2 do
+            if g[j] == 'name' then name = g[j + 1] end
+            if g[j] == 'last-delivered-id' then last = g[j + 1] end
+          end
+          if name == ARGV[1] then
+            count = #redis.call('XRANGE', KEYS[i], '(' .. last, cutoff, 'COUNT', remaining)
+          end
+        end
+      end
+    end
+    if count > 0 then
+      local res = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', count,
                              'STREAMS', KEYS[i], '>')
       if res then
         remaining = remaining - #res[1][2]
@@ -45,14 +73,16 @@ for a = 3, #ARGV, 2 do
       end
     end
   end
-  k = k + n
+  k = k + n_own + n_other
 end
 return out
 """
 """Read new entries for consumer ARGV[2] of group ARGV[1], lane by lane: KEYS are the lanes'
-streams in turn, and each pair of ARGV after the first two says how many of KEYS are the next
-lane's and the most entries to read from them in all (XREADGROUP's COUNT is per stream): the
-no-hoarding bound holds exactly, in one round trip."""
+streams in turn; each triple of ARGV after the first three says how many of KEYS are the lane's
+own streams, how many are other workers' shards after them, and the most entries to read from
+them in all (XREADGROUP's COUNT is per stream): the no-hoarding bound holds exactly, in one round
+trip. From another's shard only entries that have waited ARGV[3] ms or more (by Redis's clock)
+are taken: its owner had its chance first."""
 
 PUBLISH = """
 local errors = {}

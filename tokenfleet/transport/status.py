@@ -44,17 +44,40 @@ def _queue(client: redis.Redis, stream: str, now: float) -> dict[str, Any]:
     }
 
 
-def fleet_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
+def queue_totals(client: redis.Redis, streams: list[str], now: float) -> dict[str, Any]:
+    """One queue's figures over all its streams (a bucket's own and its shards): depths and
+    pendings summed, the oldest waiting age the largest."""
+    parts = [_queue(client, stream, now) for stream in streams]
+    ages = [p["oldest_waiting_s"] for p in parts if p["oldest_waiting_s"] is not None]
+    return {
+        "depth": sum(p["depth"] for p in parts),
+        "pending": sum(p["pending"] for p in parts),
+        "oldest_waiting_s": max(ages) if ages else None,
+    }
+
+
+def lane_queues(client: redis.Redis, keys: Keys) -> dict[str, dict[str, int]]:
+    """Per lane, the requests waiting (``lag``: no worker took them yet) and in flight
+    (``pending``) over every bucket, shard and ``auto`` stream: what an autoscaler scales on."""
+    status = fleet_status(client, keys, with_workers=False)
+    totals = {lane: {"lag": 0, "pending": 0} for lane in LANES}
+    for queue in status["queues"].values():
+        totals[queue["lane"]]["lag"] += queue["depth"]
+        totals[queue["lane"]]["pending"] += queue["pending"]
+    return totals
+
+
+def fleet_status(client: redis.Redis, keys: Keys, with_workers: bool = True) -> dict[str, Any]:
     """Live workers, each lane's per-bucket queues and the dead letters (``tokenfleet status --json``)."""
     now = time.time()
-    workers = heartbeats(client, keys)
+    workers = heartbeats(client, keys) if with_workers else []
     buckets = sorted(int(b) for b in client.smembers(keys.buckets))
     names: list[int | str] = [*buckets, AUTO_BUCKET]
     queues = {
         keys.queue_name(b, lane): {
             "bucket": b,
             "lane": lane,
-            **_queue(client, keys.request_stream(b, lane), now),
+            **queue_totals(client, keys.queue_streams(b, lane), now),
         }
         for lane in LANES
         for b in names

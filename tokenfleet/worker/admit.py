@@ -16,6 +16,7 @@ from tokenfleet.core.interface import EngineCore
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.core.vocab import render_chat
 from tokenfleet.protocol import LANES, ErrorCode, FinishReason, Keys, Refusal, Request
+from tokenfleet.protocol.affinity import shard_of
 from tokenfleet.transport.intake import Entry, Incoming
 from tokenfleet.transport.outbox import Outbox
 from tokenfleet.transport.ownership import take_ownership
@@ -166,7 +167,8 @@ class Admitter:
         routed = dataclasses.replace(
             request, prompt=None, messages=None, input_ids=tuple(ids), enqueued_ms=first_seen
         )
-        target = self.keys.request_stream(bucket, request.priority)
+        # the shard follows the request as sent (its messages or text), as a producer's would
+        target = self.keys.shard_stream(bucket, request.priority, shard_of(request.to_wire()))
         self.outbox.move(entry, target, protocol.encode_request(routed))
         return None
 

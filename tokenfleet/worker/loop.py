@@ -22,7 +22,7 @@ from redis.cluster import RedisCluster
 from tokenfleet.config import WorkerConfig
 from tokenfleet.core.interface import EngineCore, StepOutput
 from tokenfleet.engines import build_core
-from tokenfleet.protocol import LANES, ErrorCode, Keys
+from tokenfleet.protocol import ErrorCode, Keys
 from tokenfleet.transport.cancels import CancelFeed
 from tokenfleet.transport.connection import BACKOFF_MAX_S, BACKOFF_START_S, connect_with_retry
 from tokenfleet.transport.intake import StreamReader, decode
@@ -32,7 +32,7 @@ from tokenfleet.transport.registry import Registry
 from tokenfleet.transport.round_trip import Received, RoundTrip
 from tokenfleet.worker.admit import Admitter
 from tokenfleet.worker.metrics import WorkerMetrics
-from tokenfleet.worker.policy import Plan, TurnPolicy
+from tokenfleet.worker.policy import Plan, TurnPolicy, read_budget
 from tokenfleet.worker.publisher import Publisher
 from tokenfleet.worker.ratelog import RateLimitedLog
 from tokenfleet.worker.stops import enforce_stops
@@ -63,7 +63,7 @@ class Worker:
         lanes = keys.lane_streams(buckets)
         streams = [stream for lane in lanes for stream in lane]
         reliability = config.reliability
-        self.reader = StreamReader(self.client, lanes, self.name)
+        self.reader = StreamReader(self.client, lanes, self.name, reliability.steal_after_ms)
         self.outbox = Outbox(self.client, keys)
         self.reclaimer = Reclaimer(
             self.client, streams, self.name, reliability.claim_idle_ms, reliability.max_attempts
@@ -120,6 +120,7 @@ class Worker:
         limits = {"interactive": reliability.max_queue, "batch": reliability.batch_max_queue}
         self.registry.announce(self.config.batching.buckets, limits)
         self.upkeep.heartbeat(force=True)
+        self.upkeep.assign_shards()
         self.cancels.start()
         if not self._recovered_own:  # once per process
             self._recovered_own = True
@@ -217,11 +218,10 @@ class Worker:
         return Received(entries, cancelled)
 
     def _read_budget(self) -> tuple[int, ...]:
-        """How many new entries each lane may read: no more than can start soon (no hoarding).
-        The top lane counts only its own waiting, so a full queue of the batch lane never keeps
-        an interactive request unread; the others count everything waiting."""
-        size, waiting = self.config.batching.max_batch_size, self.core.num_waiting
-        return (size - self.core.waiting_in(0), *(size - waiting for _ in LANES[1:]))
+        running = [seq.request.lane for seq in self.core.running()]
+        return read_budget(
+            self.config.batching.max_batch_size, running, self.core.waiting_in(0), self.core.num_waiting
+        )
 
     def _wait_for_work(self) -> int | None:
         """How long the read may block: not at all while a batch runs; while a batch forms,

@@ -10,6 +10,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from tokenfleet.protocol import LANES
+
 log = logging.getLogger(__name__)
 
 OVERLAP_MIN_SHARE = 0.05
@@ -102,3 +104,16 @@ class TurnPolicy:
                 "overlapping it with the next step" if pays else "running it between steps",
             )
         return pays
+
+
+def read_budget(size: int, running_lanes: list[int], top_waiting: int, waiting: int) -> tuple[int, ...]:
+    """How many new entries each lane may read: what free slots can start, plus a quarter of a
+    batch read ahead, never more than ``size`` (max_batch_size) waiting. No hoarding: what a busy
+    worker leaves unread, an idle one takes (affinity's stealing included). The top lane counts
+    only its own sequences, so batch-lane work never keeps an interactive request unread (it may
+    preempt them). ``running_lanes``: the lane of every started sequence."""
+    ahead = max(1, size // 4)
+    top_running = sum(lane == 0 for lane in running_lanes)
+    top = min(size, size - top_running + ahead) - top_waiting
+    rest = min(size, size - len(running_lanes) + ahead) - waiting
+    return (top, *(rest for _ in LANES[1:]))

@@ -11,9 +11,11 @@ from collections.abc import Callable
 from tokenfleet.config import WorkerConfig
 from tokenfleet.core.interface import EngineCore, StepOutput
 from tokenfleet.protocol import LANES
+from tokenfleet.protocol.affinity import SHARDS
 from tokenfleet.transport.intake import StreamReader
 from tokenfleet.transport.reclaim import Reclaimer
-from tokenfleet.transport.registry import Registry
+from tokenfleet.transport.registry import Registry, heartbeats
+from tokenfleet.transport.shards import assign
 from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.publisher import Publisher
 
@@ -68,6 +70,7 @@ class Upkeep:
         self._last_heartbeat = 0.0
         self._tokens_at_heartbeat = 0
         self._last_trim = time.monotonic()
+        self._shards_owned = -1
 
     def after_turn(self, output: StepOutput) -> None:
         self._update_capacity()
@@ -81,13 +84,34 @@ class Upkeep:
         if time.monotonic() - self._last_trim > self.config.reliability.trim_interval_s:
             self._last_trim = time.monotonic()
             self.reader.trim_acknowledged()
-        self.heartbeat()
+        if self.heartbeat():
+            self.assign_shards()
         self.fleet.get()  # every FLEET_BUCKETS_TTL_S: {P}:buckets keeps live workers' only
 
-    def heartbeat(self, force: bool = False) -> None:
+    def assign_shards(self) -> None:
+        """Take our share of every bucket's shard streams as the heartbeats stand (a worker that
+        joined or went quiet moves its shards); the rest are only stolen from."""
+        if self.config.reliability.steal_after_ms == 0:  # no affinity: every shard is read alike
+            return
+        keys, name = self.registry.keys, self.registry.name
+        beats = heartbeats(self.registry.client, keys)
+        assignment = assign(keys, name, self.config.batching.buckets, beats)
+        if assignment.shards_owned != self._shards_owned:
+            live = sorted(b["name"] for b in beats if b.get("alive"))
+            log.info(
+                "owning %d of %d shards per lane (live workers: %s)",
+                assignment.shards_owned,
+                SHARDS * len(self.config.batching.buckets),
+                ", ".join(live),
+            )
+            self._shards_owned = assignment.shards_owned
+        self.reader.assign(assignment.own, assignment.others)
+
+    def heartbeat(self, force: bool = False) -> bool:
+        """Publish our state when due (every :data:`HEARTBEAT_S`); whether it was."""
         now = time.time()
         if not force and now - self._last_heartbeat < HEARTBEAT_S:
-            return
+            return False
         generated = self.publisher.tokens_generated
         elapsed = now - self._last_heartbeat
         rate = (generated - self._tokens_at_heartbeat) / elapsed if elapsed < 60 else 0.0
@@ -109,8 +133,10 @@ class Upkeep:
                 "tokens_per_s": round(rate, 1),
                 "prefix_cache_queries": cap.prefix_cache_queries,
                 "prefix_cache_hits": cap.prefix_cache_hits,
+                "shards_owned": max(0, self._shards_owned),  # affinity shards per lane, all buckets
             }
         )
+        return True
 
     def _update_capacity(self) -> None:
         self.capacity = cap = self.core.capacity()
