@@ -113,8 +113,11 @@ def run_tokenfleet(model_dir: str, dtype: str, chat: Chat, prefix_caching: bool)
     return turn_stats(name, waves, f"worker flags: {' '.join(flags)} (the README's)")
 
 
-def wave_through_threads(client, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Every prompt submitted at once, each from its own thread, streamed token by token."""
+def wave_through_threads(
+    client, prompts: list[list[int]], new_tokens: int, cache_keys: list[str] | None = None
+) -> dict:
+    """Every prompt submitted at once, each from its own thread, streamed token by token (with
+    ``cache_keys``: each request's affinity key)."""
     ids: list[list[int]] = [[] for _ in prompts]
     ttft = [0.0] * len(prompts)
     ends = [0.0] * len(prompts)
@@ -122,7 +125,8 @@ def wave_through_threads(client, prompts: list[list[int]], new_tokens: int) -> d
 
     def one(i: int) -> None:
         time.sleep(max(0.0, start - time.perf_counter()))
-        handle = client.submit(input_ids=prompts[i], max_new_tokens=new_tokens, ignore_eos=True)
+        key = {"cache_key": cache_keys[i]} if cache_keys else {}
+        handle = client.submit(input_ids=prompts[i], max_new_tokens=new_tokens, ignore_eos=True, **key)
         for chunk in handle.stream(timeout=900):
             if not ids[i]:
                 ttft[i] = (time.perf_counter() - start) * 1000
