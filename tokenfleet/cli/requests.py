@@ -96,6 +96,7 @@ def submit(
             check_tokenizer_dir(model_dir)
             with _client(redis_url, model_dir, prefix) as client:
                 handle = client.submit(prompt, request_id=request_id, **params)
+                _exit_on_ctrl_c(lambda: _client(redis_url, None, prefix), handle.id, detach)
                 click.echo(f"request {handle.id}", err=True)
                 _say_if_nobody_serves(client, handle)
                 if as_json:
@@ -104,15 +105,32 @@ def submit(
                 for chunk in handle.stream(timeout=timeout):
                     click.echo(chunk.text, nl=False)
                 click.echo()
-    except KeyboardInterrupt:
-        if handle is None:
-            raise SystemExit(130) from None
-        if detach:
-            click.echo(f"\nleft request {handle.id} running: tokenfleet result {handle.id}", err=True)
-        else:
-            handle.client.cancel(handle.id)
-            click.echo(f"\ninterrupted: cancelled request {handle.id} (--detach leaves it running)", err=True)
+    except KeyboardInterrupt:  # before the request was sent: nothing to cancel
         raise SystemExit(130) from None
+
+
+def _exit_on_ctrl_c(new_client: Any, request_id: str, detach: bool) -> None:
+    """From here on, Ctrl-C cancels the request (or, with --detach, leaves it), says so and exits
+    at once: a KeyboardInterrupt raised wherever the main thread happens to be (inside the reply
+    reader's locks, a thread's start) could leave the exit waiting on them."""
+    import os
+    import signal
+    import sys
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        if detach:
+            click.echo(f"\nleft request {request_id} running: tokenfleet result {request_id}", err=True)
+        else:
+            with new_client() as fresh:  # its own connections: the interrupted ones may be mid-command
+                fresh.cancel(request_id)
+            click.echo(
+                f"\ninterrupted: cancelled request {request_id} (--detach leaves it running)", err=True
+            )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, on_interrupt)
 
 
 def _say_if_nobody_serves(client: Any, handle: Any) -> None:
