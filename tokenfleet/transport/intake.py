@@ -8,6 +8,7 @@ the caller gives (``max_batch_size`` minus what waits), across all the streams i
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,10 @@ from tokenfleet import protocol
 from tokenfleet.errors import ProtocolError
 from tokenfleet.protocol import GROUP, Fields, Refusal, Request
 from tokenfleet.transport import scripts
+
+STEAL_LOOK_S = 0.05
+"""Look at other workers' shards for entries to steal at most this often (a stolen entry waited
+``steal_after_ms`` already; the look costs Redis one check per shard)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,7 @@ class StreamReader:
         self.lanes = [list(streams) for streams in own]
         self.others = [list(streams) for streams in others]
         self._rotations = [itertools.cycle(range(len(streams))) for streams in self.lanes]
+        self._last_steal = float("-inf")
 
     def ensure_groups(self) -> None:
         """Create the consumer group on every stream, from id 0, so that requests enqueued before
@@ -165,10 +171,15 @@ class StreamReader:
         start, then the shards it may steal from."""
         keys: list[str] = []
         args: list[Any] = [GROUP, self.consumer, self.steal_after_ms]
+        now = time.monotonic()
+        steal = now - self._last_steal >= STEAL_LOOK_S  # a look at others' shards costs Redis more
+        if steal:
+            self._last_steal = now
         for own, others, rotation, allowed in zip(self.lanes, self.others, self._rotations, budget):
             start = next(rotation)
-            keys += own[start:] + own[:start] + others
-            args += [len(own), len(others), max(0, allowed)]
+            theirs = others if steal else []
+            keys += own[start:] + own[:start] + theirs
+            args += [len(own), len(theirs), max(0, allowed)]
         return keys, args
 
     def lane_of(self, stream: str) -> int:

@@ -48,7 +48,9 @@ for a = 4, #ARGV, 3 do
   local n_own, n_other, remaining = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
   for i = k, k + n_own + n_other - 1 do
     local count = remaining
-    if i >= k + n_own and remaining > 0 then  -- another's shard: only what waited past the cutoff
+    if count > 0 and redis.call('XLEN', KEYS[i]) == 0 then  -- most shards are empty most of the time
+      count = 0
+    elseif i >= k + n_own and count > 0 then  -- another's shard: only what waited past the cutoff
       count = 0
       local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[i])
       if ok then
