@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--system-len", type=int, default=256, help="shared system prompt, tokens")
     p.add_argument("--user-len", type=int, default=32, help="mean user message, tokens")
-    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--seed", type=int, default=0)

@@ -1,6 +1,7 @@
 """Prefix affinity on real worker processes: a key's requests go to the worker that owns its
 shard; a shard whose owner does not read it (busy, hung, or gone but not yet stale) is stolen
-from after the steal delay; a producer that knows nothing of shards is still served."""
+from after the steal delay; a worker killed -9 hands its shards and its requests (resumed, no
+gap, no repeat) to the survivor; a producer that knows nothing of shards is still served."""
 
 import subprocess
 import threading
@@ -100,3 +101,64 @@ def test_a_key_stays_on_its_owner_and_an_unread_shard_is_stolen(tiny_model, redi
         for log in logs:
             log.close()
     assert [w.returncode for w in workers] == [0, 0]
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_killed_mid_load_hands_its_shards_and_requests_to_the_survivor(
+    tiny_model, redis_url, prefix, r, reference, tmp_path
+):
+    names = ["wa", "wb"]
+    logs = [open(tmp_path / f"{n}.log", "w+") for n in names]  # noqa: SIM115 (closed below)
+    flags = ("--buckets", "16", "--threads", "1", "--max-wait-ms", "5", "--max-seq-len", "512")
+    workers = [
+        worker_process(
+            tiny_model,
+            redis_url,
+            prefix,
+            *flags,
+            "--name",
+            name,
+            "--claim-idle-ms",
+            "1000",
+            env={"OMP_NUM_THREADS": "1"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        for name, log in zip(names, logs)
+    ]
+    keys = Keys(prefix)
+    try:
+        for log in logs:
+            wait_for_log(log, "owning 8 of 16 shards per lane (live workers: wa, wb)")
+        client = Client(redis_url, model=tiny_model, prefix=prefix)
+        owners = rendezvous_owners(names, SHARDS, "16")
+        doomed = [f"c{i}" for i in range(200) if owners[shard_of({"cache_key": f"c{i}"})] == "wa"][:6]
+        handles = [
+            client.submit(f"mid {i}", cache_key=key, max_new_tokens=200, ignore_eos=True)
+            for i, key in enumerate(doomed)
+        ]
+        deadline = time.monotonic() + 120
+        while not all(r.xlen(keys.reply_stream(h.id)) >= 3 for h in handles):
+            assert time.monotonic() < deadline, "wa never streamed"
+            time.sleep(0.01)
+        workers[0].kill()  # -9, holding all six mid-stream
+        workers[0].wait(10)
+        # on wa's shards meanwhile: stolen at once, then wb's own once wa's heartbeat is stale
+        after = [client.submit(f"after {i}", cache_key=k, max_new_tokens=4) for i, k in enumerate(doomed)]
+        wait_for_log(logs[1], "owning 16 of 16 shards per lane (live workers: wb)", timeout=60)
+        for i, h in enumerate(handles):
+            res = h.result(timeout=120)
+            expected = reference.greedy(reference.ids(f"mid {i}"), 200, ignore_eos=True)
+            assert res.worker == "wb" and res.token_ids == expected
+            events = [protocol.decode_event(f) for _, f in r.xrange(keys.reply_stream(h.id))]
+            tokens = [e for e in events if e.type == "token"]
+            assert [e.index for e in tokens] == list(range(len(tokens))), "gap or duplicate"
+            assert [e.type for e in events if e.type != "token"] == ["done"]
+        assert {h.result(timeout=60).worker for h in after} == {"wb"}
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.terminate()
+                w.wait(60)
+        for log in logs:
+            log.close()

@@ -21,8 +21,9 @@ from tokenfleet.protocol import GROUP, Fields, Refusal, Request
 from tokenfleet.transport import scripts
 
 STEAL_LOOK_S = 0.05
-"""Look at other workers' shards for entries to steal at most this often (a stolen entry waited
-``steal_after_ms`` already; the look costs Redis one check per shard)."""
+"""Look at other workers' shards for entries to steal at most this often, and, idle, at least
+this often (a stolen entry waited ``steal_after_ms`` already; a look costs Redis a check per
+shard, ~0.1 ms in all)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,11 @@ class StreamReader:
         self.others = [list(streams) for streams in others]
         self._rotations = [itertools.cycle(range(len(streams))) for streams in self.lanes]
         self._last_steal = float("-inf")
+
+    def longest_block_ms(self, limit: int) -> int:
+        """How long an idle read may block on our own streams: while other workers own shards,
+        short enough to look at theirs every :data:`STEAL_LOOK_S` (a blocked read cannot)."""
+        return min(limit, int(STEAL_LOOK_S * 1000)) if any(self.others) else limit
 
     def ensure_groups(self) -> None:
         """Create the consumer group on every stream, from id 0, so that requests enqueued before

@@ -235,9 +235,10 @@ class Worker:
             if left > 0:
                 time.sleep(min(left, FORMING_POLL_MS / 1000))
             return None
+        longest = self.reader.longest_block_ms(IDLE_BLOCK_MS)  # shorter while others' shards may wait
         if ready is None:
-            return IDLE_BLOCK_MS
-        return min(IDLE_BLOCK_MS, max(1, int((ready - time.monotonic()) * 1000) + 1))
+            return longest
+        return min(longest, max(1, int((ready - time.monotonic()) * 1000) + 1))
 
     def _apply(self, received: Received) -> None:
         """Act on what came in: refused writes logged, new and reclaimed work admitted, cancels
