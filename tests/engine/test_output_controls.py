@@ -188,7 +188,7 @@ def test_logprobs_of_a_sampled_row_come_from_its_tempered_distribution(engine):
 
 
 def test_object_schemas_that_list_their_properties_take_no_others():
-    from tokenfleet.core.grammar import closed_objects
+    from tokenfleet.protocol.output_controls import closed_objects
 
     schema = {
         "type": "object",

@@ -310,7 +310,10 @@ def test_langchain_structured_output_through_the_gateway(runner, smollm2, redis_
 
 def test_tool_calls_through_the_gateway(runner, smollm2, redis_url, prefix):
     """``tool_choice`` a named function or ``required``: the answer is a valid call of one of the
-    tools (openai-python's ``tool_calls``, LangChain's ``bind_tools``); ``auto`` is refused by name."""
+    tools (openai-python's ``tool_calls``, LangChain's ``bind_tools``); ``auto`` (the default):
+    text, or ``<tool_call>``-tagged calls parsed into ``tool_calls`` (here the model is nudged
+    toward a call with ``logit_bias`` on ``<``), whole and streamed; a history holding an earlier
+    call and its result goes back to the model."""
     import openai
     from gateway_process import Gateway
     from langchain_openai import ChatOpenAI
@@ -366,8 +369,54 @@ def test_tool_calls_through_the_gateway(runner, smollm2, redis_url, prefix):
             bound_required = llm_required.bind_tools([weather], tool_choice="required").invoke(
                 "Weather in Oslo?"
             )
-            with pytest.raises(openai.BadRequestError) as auto:
-                client.chat.completions.create(model="smollm2", messages=messages, tools=[weather])
+            from tokenizers import Tokenizer
+
+            lt = Tokenizer.from_file(f"{smollm2}/tokenizer.json").token_to_id("<")
+            # "<" favoured everywhere: enums keep it out of the arguments, one call ends the answer
+            city = {**weather["function"]["parameters"]["properties"], "city": {"enum": ["Paris", "Oslo"]}}
+            listed = {
+                "type": "function",
+                "function": {
+                    **weather["function"],
+                    "parameters": {**weather["function"]["parameters"], "properties": city},
+                },
+            }
+            nudged = {"model": "smollm2", "messages": messages, "tools": [listed], "temperature": 0}
+            nudged.update(logit_bias={str(lt): 30}, parallel_tool_calls=False)
+            auto_call = client.chat.completions.create(**nudged)
+            auto_streamed = list(client.chat.completions.create(**nudged, stream=True))
+            auto_text = client.chat.completions.create(
+                model="smollm2", messages=messages, tools=[weather], temperature=0, logit_bias={str(lt): -100}
+            )
+            history = [
+                *messages,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [auto_call.choices[0].message.tool_calls[0].model_dump()],
+                },
+                {
+                    "role": "tool",
+                    "tool_call_id": auto_call.choices[0].message.tool_calls[0].id,
+                    "content": "18 C, sunny",
+                },
+            ]
+            answered = client.chat.completions.create(
+                model="smollm2",
+                messages=history,
+                tools=[weather],
+                tool_choice="none",
+                temperature=0,
+                max_tokens=24,
+            )
+            with pytest.raises(openai.BadRequestError) as both:
+                client.chat.completions.create(
+                    model="smollm2",
+                    messages=messages,
+                    tools=[weather],
+                    response_format={"type": "json_object"},
+                )
+            lc_auto = llm_required.bind_tools([weather]).invoke("Weather in Oslo?")
             llm = ChatOpenAI(model="smollm2", base_url=gateway.url + "/v1", api_key="unused", temperature=0)
             bound = llm.bind_tools([weather], tool_choice="get_weather").invoke("Weather in Rome?")
         finally:
@@ -377,7 +426,20 @@ def test_tool_calls_through_the_gateway(runner, smollm2, redis_url, prefix):
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), weather["function"]["parameters"])
     assert required.choices[0].message.tool_calls[0].function.name in ("get_weather", "get_time")
-    assert "tool_choice" in auto.value.body["message"]
+    auto_calls = auto_call.choices[0].message.tool_calls
+    assert auto_call.choices[0].finish_reason == "tool_calls" and auto_call.choices[0].message.content is None
+    assert auto_calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(auto_calls[0].function.arguments), listed["function"]["parameters"])
+    auto_deltas = [c.choices[0].delta for c in auto_streamed if c.choices and c.choices[0].delta.tool_calls]
+    assert [json.loads(call.function.arguments) for d in auto_deltas for call in d.tool_calls] == [
+        json.loads(call.function.arguments) for call in auto_calls
+    ]
+    assert [c.choices[0].finish_reason for c in auto_streamed if c.choices][-1] == "tool_calls"
+    text = auto_text.choices[0].message
+    assert text.tool_calls is None and text.content and not text.content.startswith("<")
+    assert answered.choices[0].message.content  # the history with a call and its result rendered
+    assert "response_format and tools" in both.value.body["message"]
+    assert lc_auto.content or lc_auto.tool_calls  # LangChain's default tool_choice: auto
     assert bound.tool_calls[0]["name"] == "get_weather" and bound.tool_calls[0]["args"]["city"]
     jsonschema.validate(bound_required.tool_calls[0]["args"], weather["function"]["parameters"])
     deltas = [c.choices[0].delta for c in streamed if c.choices and c.choices[0].delta.tool_calls]

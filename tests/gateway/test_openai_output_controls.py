@@ -88,7 +88,10 @@ def test_every_field_the_gateway_cannot_honour_is_refused_by_name(run_worker, ga
         text = dict(model=MODEL, prompt="x", max_tokens=2)
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
         refused = {
-            "tools": lambda: client.chat.completions.create(**chat, tools=[tool]),
+            "functions": lambda: client.chat.completions.create(**chat, functions=[tool["function"]]),
+            "tools": lambda: client.chat.completions.create(
+                **chat, tools=[tool], response_format={"type": "json_object"}
+            ),
             "top_logprobs": lambda: client.chat.completions.create(**chat, top_logprobs=2),
             "response_format": lambda: client.chat.completions.create(
                 **chat, response_format={"type": "yaml"}

@@ -11,7 +11,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from tokenfleet.protocol import ErrorCode, Refusal
-from tokenfleet.protocol.output_controls import ResponseFormat
+from tokenfleet.protocol.output_controls import (
+    ResponseFormat,
+    closed_objects,  # noqa: F401 (re-exported)
+)
 
 CACHED_GRAMMARS = 256
 """Compiled grammars kept (least recently used dropped first); a copy costs microseconds."""
@@ -89,29 +92,3 @@ class Grammars:
                 ErrorCode.INVALID_GRAMMAR, f"response_format {fmt.type} cannot be compiled: {error}"
             )
         return matcher
-
-
-_SUBSCHEMA = ("items", "additionalItems", "not", "if", "then", "else", "contains", "propertyNames")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
-
-
-def closed_objects(schema: Any) -> Any:
-    """``schema`` with ``additionalProperties: false`` on every object schema that lists its
-    properties and says nothing of others: a model asked for a pydantic model's fields gets those
-    fields alone (OpenAI's strict mode; vLLM's ``disable-additional-properties``)."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    for key in _SUBSCHEMA:
-        if key in out:
-            out[key] = closed_objects(out[key])
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed_objects(item) for item in out[key]]
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
-    return out

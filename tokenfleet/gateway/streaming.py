@@ -117,9 +117,15 @@ async def chunks(
         async for k, event in events:
             progress.positions[k] = event.stream_id
             ident = event_id(completion, progress.positions)
-            if completion.tool_call and isinstance(event, TokenEvent):
+            if isinstance(event, TokenEvent) and (
+                k in calls or (k not in begun and completion.answers_with_calls(event.text))
+            ):  # under tool_choice auto the answer's first character tells a call from text
                 calls.setdefault(k, []).append(event.text)
-            elif completion.tool_call and isinstance(event, DoneEvent) and event.finish_reason == "stop":
+            elif (
+                (completion.tool_call or k in calls)
+                and isinstance(event, DoneEvent)
+                and event.finish_reason == "stop"
+            ):
                 progress.usage[k] = event
                 yield sse(completion.tool_call_chunk(k, "".join(calls.pop(k, []))), ident)
                 yield sse(completion.chunk(k, "", [], first=False, finish="tool_calls"), ident)

@@ -22,7 +22,7 @@ from tokenfleet.producer.openai_controls import (
     shaped_logprobs,
     token_id_text,
 )
-from tokenfleet.producer.openai_tools import ToolFields, tool_calls
+from tokenfleet.producer.openai_tools import ChatMessage, ToolFields, history_message, is_call, tool_calls
 from tokenfleet.producer.result import Result
 from tokenfleet.protocol import LANES, ErrorCode, TokenLogprob
 
@@ -133,25 +133,6 @@ class CompletionBody(CompletionLogprobFields, _Body):
         return [{"input_ids": list(x)} for x in p]  # type: ignore[arg-type]
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str | list[dict[str, Any]] | None = ""
-
-    @field_validator("content")
-    @classmethod
-    def text_only(cls, value: Any) -> str:
-        """Content parts of type ``text`` are joined; other kinds (images, audio) are refused."""
-        if value is None or isinstance(value, str):
-            return value or ""
-        texts = []
-        for part in value:
-            if part.get("type") != "text":
-                raise ValueError(f"content parts of type {part.get('type')!r} are not supported")
-            texts.append(str(part.get("text", "")))
-        return "".join(texts)
-
-
 class ChatBody(ChatLogprobFields, ToolFields, _Body):
     """``POST /v1/chat/completions``."""
 
@@ -159,18 +140,21 @@ class ChatBody(ChatLogprobFields, ToolFields, _Body):
 
     @model_validator(mode="after")
     def tool_calls_alone(self) -> ChatBody:
-        if self.calls_a_tool() and self.response_format is not None:
-            raise ValueError("response_format and a tool call cannot be asked for together")
+        if (self.calls_a_tool() or self.may_call_a_tool()) and self.response_format is not None:
+            raise ValueError("response_format and tools cannot be asked for together")
         return self
 
     def inputs(self) -> list[dict[str, Any]]:
-        messages = [{"role": m.role, "content": m.content} for m in self.messages]
-        return [{"messages": [self.tools_message(), *messages] if self.calls_a_tool() else messages}]
+        messages = [history_message(m.role, str(m.content or ""), m.tool_calls) for m in self.messages]
+        offered = self.calls_a_tool() or self.may_call_a_tool()
+        return [{"messages": [self.tools_message(), *messages] if offered else messages}]
 
     def request_params(self, default_max_tokens: int) -> dict[str, Any]:
         params = super().request_params(default_max_tokens)
         if self.calls_a_tool():
             params["response_format"] = self.call_format()
+        elif self.may_call_a_tool():
+            params["response_format"] = self.auto_format()
         return params
 
 
@@ -188,12 +172,14 @@ class Completion:
     n: int
     created: int
     tool_call: bool = False  # chat with tool_choice required or named: the answer is a call
+    tool_auto: bool = False  # chat with tool_choice auto: the answer is text or tagged calls
 
     @classmethod
     def of(cls, completion_id: str, kind: Kind, body: CompletionBody | ChatBody) -> Completion:
         tool_call = isinstance(body, ChatBody) and body.calls_a_tool()
+        tool_auto = isinstance(body, ChatBody) and body.may_call_a_tool()
         choices = len(body.inputs()) * body.n
-        return cls(completion_id, kind, body.model, choices, body.n, int(time.time()), tool_call)
+        return cls(completion_id, kind, body.model, choices, body.n, int(time.time()), tool_call, tool_auto)
 
     @classmethod
     def new(cls, kind: Kind, body: CompletionBody | ChatBody) -> Completion:
@@ -240,7 +226,7 @@ class Completion:
         choices = []
         for index, res in enumerate(results):
             choice: dict[str, Any] = {"index": index, "finish_reason": res.finish_reason}
-            if self.tool_call and res.finish_reason == "stop":
+            if self.answers_with_calls(res.text) and res.finish_reason == "stop":
                 calls = tool_calls(res.text)
                 choice.update(message={"role": "assistant", "content": None, "tool_calls": calls})
                 choice["finish_reason"] = "tool_calls"
@@ -254,6 +240,10 @@ class Completion:
             )
             choices.append(choice)
         return {**self.header(), "choices": choices, "usage": self.usage(results)}
+
+    def answers_with_calls(self, text: str) -> bool:
+        """Whether an answer (or its start, while streaming) is tool calls rather than text."""
+        return self.tool_call or (self.tool_auto and is_call(text))
 
     def usage(self, results: list[Result]) -> dict[str, int]:
         """Prompt tokens once per prompt (its ``n`` choices share it), completion tokens of all."""

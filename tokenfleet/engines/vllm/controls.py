@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tokenfleet.core.grammar import closed_objects
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.protocol import ResponseFormat, TokenLogprob
+from tokenfleet.protocol.output_controls import closed_objects
 
 
 def control_kwargs(seq: SeqState) -> dict[str, Any]:
