@@ -79,6 +79,7 @@ WORKER_COMMANDS = (
         "+xrevrange",
         "+set",
         "+get",
+        "+time",  # the read script's steal cutoff is on Redis's clock
     ]
 )
 
