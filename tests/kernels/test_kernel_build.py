@@ -82,13 +82,18 @@ def test_a_process_waits_for_another_builder_then_imports_its_build(tmp_path):
         waiter = subprocess.Popen(
             [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        time.sleep(3)
+        seen = []  # its log up to the line saying it waits: the build finishes only after that
+        deadline = time.monotonic() + 120  # importing torch on a busy machine takes a while
+        while not any("another process is building the CPU kernels here" in line for line in seen):
+            line = waiter.stderr.readline()
+            assert line and time.monotonic() < deadline, "it did not wait for the builder: " + "".join(seen)
+            seen.append(line)
         assert waiter.poll() is None, "it did not wait for the builder"
         (build / cpu_kernels.DONE).write_text(json.dumps({"seconds": 1.0}))
         fcntl.flock(held, fcntl.LOCK_UN)
-    out, err = waiter.communicate(timeout=120)
+    out, rest = waiter.communicate(timeout=120)
+    err = "".join(seen) + rest
     assert cpu_kernels.NAME in out, err[-2000:]
-    assert "another process is building the CPU kernels here" in err, err[-2000:]
     assert "built the CPU kernels" not in err and "building the CPU kernels:" not in err, err[-2000:]
     assert not (build / "lock").exists()
 
