@@ -35,27 +35,31 @@ def wait_for_log(log, text: str, timeout: float = 120) -> None:
     raise AssertionError(f"no {text!r} in the worker's log:\n{log.read()[-3000:]}")
 
 
-@pytest.mark.timeout(240)
-def test_a_key_stays_on_its_owner_and_an_unread_shard_is_stolen(tiny_model, redis_url, prefix, r, tmp_path):
-    names = ["wa", "wb"]
-    logs = [open(tmp_path / f"{n}.log", "w+") for n in names]  # noqa: SIM115 (closed below)
-    flags = ("--buckets", "16", "--threads", "1", "--max-wait-ms", "5", "--max-seq-len", "256")
-    workers = [
+def start_workers(tiny_model, redis_url, prefix, logs, max_seq_len: int, *flags: str) -> list:
+    """Worker processes ``wa`` and ``wb`` (bucket 16, one thread each), logging to ``logs``."""
+    common = ("--buckets", "16", "--threads", "1", "--max-wait-ms", "5", "--max-seq-len", str(max_seq_len))
+    return [
         worker_process(
             tiny_model,
             redis_url,
             prefix,
-            *flags,
+            *common,
             "--name",
             name,
-            "--steal-after-ms",
-            str(STEAL_AFTER_MS),
+            *flags,
             env={"OMP_NUM_THREADS": "1"},
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        for name, log in zip(names, logs)
+        for name, log in zip(["wa", "wb"], logs)
     ]
+
+
+@pytest.mark.timeout(240)
+def test_a_key_stays_on_its_owner_and_an_unread_shard_is_stolen(tiny_model, redis_url, prefix, r, tmp_path):
+    names = ["wa", "wb"]
+    logs = [open(tmp_path / f"{n}.log", "w+") for n in names]  # noqa: SIM115 (closed below)
+    workers = start_workers(tiny_model, redis_url, prefix, logs, 256, "--steal-after-ms", str(STEAL_AFTER_MS))
     keys = Keys(prefix)
     stop_ghost = threading.Event()
     try:
@@ -109,23 +113,7 @@ def test_a_worker_killed_mid_load_hands_its_shards_and_requests_to_the_survivor(
 ):
     names = ["wa", "wb"]
     logs = [open(tmp_path / f"{n}.log", "w+") for n in names]  # noqa: SIM115 (closed below)
-    flags = ("--buckets", "16", "--threads", "1", "--max-wait-ms", "5", "--max-seq-len", "512")
-    workers = [
-        worker_process(
-            tiny_model,
-            redis_url,
-            prefix,
-            *flags,
-            "--name",
-            name,
-            "--claim-idle-ms",
-            "1000",
-            env={"OMP_NUM_THREADS": "1"},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        for name, log in zip(names, logs)
-    ]
+    workers = start_workers(tiny_model, redis_url, prefix, logs, 512, "--claim-idle-ms", "1000")
     keys = Keys(prefix)
     try:
         for log in logs:
