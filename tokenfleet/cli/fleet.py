@@ -39,7 +39,16 @@ def status(redis_url: str | None, prefix: str | None, as_json: bool) -> None:
 
 def format_status(status: dict[str, Any]) -> str:
     """``tokenfleet status``'s table."""
-    lines = [f"fleet {status['prefix']!r}: {sum(w['alive'] for w in status['workers'])} live worker(s)", ""]
+    lines = [f"fleet {status['prefix']!r}: {sum(w['alive'] for w in status['workers'])} live worker(s)"]
+    memory = status.get("redis") or {}
+    if memory.get("evicting"):  # the first thing an operator must see
+        lines.append(
+            f"WARNING: redis maxmemory-policy is {memory['maxmemory_policy']}: when full it deletes "
+            "queued requests and reply streams (set it to noeviction)"
+        )
+    elif memory.get("maxmemory_policy") is None:
+        lines.append("redis maxmemory-policy: unknown (INFO refused)")
+    lines.append("")
     lines.append(
         f"{'worker':<28} {'state':<6} {'buckets':<16} {'engine':<7} {'device':<8} "
         f"{'running':>7} {'waiting':>7} {'tok/s':>8} {'done':>7} {'KV used':>11} {'prefix hits':>11} "

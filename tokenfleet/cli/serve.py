@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import click
+import redis
 
 from tokenfleet.cli.common import fail, settings_options
 from tokenfleet.config import GATEWAY_SETTINGS, resolve_gateway_config
@@ -39,5 +41,15 @@ def serve(config_file: str | None, log_level: str, **flags: Any) -> None:
     import uvicorn
 
     from tokenfleet.gateway.app import create_app
+    from tokenfleet.transport.connection import connect_client
+    from tokenfleet.transport.redis_memory import EvictingRedis, check_memory_policy
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:  # before listening: a refusal is one line, not a failed lifespan's traceback
+        check_memory_policy(connect_client(config.redis.url), config.redis.strict, "gateway")
+    except EvictingRedis as e:
+        fail(str(e))
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        fail(f"redis unreachable at {config.redis.url}: {e}")
 
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=log_level.lower())

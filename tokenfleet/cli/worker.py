@@ -14,6 +14,7 @@ import click
 
 from tokenfleet.cli.common import fail, require_engine, settings_options
 from tokenfleet.config import PROFILES, WORKER_SETTINGS, flatten, resolve_worker_config
+from tokenfleet.transport.redis_memory import EvictingRedis
 from tokenfleet.worker import malloc
 
 
@@ -72,7 +73,8 @@ def worker(profile: str | None, config_file: str | None, log_level: str, dry_run
 
     try:
         w = Worker(config)
-    except ValueError as e:
+        w.upkeep.check_redis_memory(strict=config.redis.strict)
+    except (ValueError, EvictingRedis) as e:
         fail(str(e))
     gc.collect()
     gc.freeze()

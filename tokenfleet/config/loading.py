@@ -18,7 +18,7 @@ from tokenfleet.config.worker import DEFAULT_PREFIX, DEFAULT_REDIS_URL, WorkerCo
 
 PROFILES: dict[str, dict[str, Any]] = {
     # the two usual deployments: latency-bound chat, throughput-bound batch jobs
-    "online": {"max_wait_ms": 50, "max_batch_size": 16, "max_seq_len": 4096},
+    "online": {"max_wait_ms": 50, "max_batch_size": 16, "max_seq_len": 4096, "strict_redis": True},
     "offline": {
         "max_wait_ms": 2000,
         "max_batch_size": 64,

@@ -24,6 +24,12 @@ class RedisConfig:
         env_aliases=("REDIS_URL",),
     )
     prefix: str = setting(DEFAULT_PREFIX, "Prefix of every Redis key.")
+    strict: bool = setting(
+        False,
+        "Refuse to run on a Redis whose maxmemory-policy may evict keys (anything but "
+        "noeviction); without it, a loud warning. The online profile's default.",
+        flag="strict_redis",
+    )
 
 
 @dataclass(frozen=True)

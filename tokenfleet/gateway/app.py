@@ -12,8 +12,16 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import redis
 from fastapi import FastAPI, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -21,6 +29,7 @@ from tokenfleet.config import GatewayConfig
 from tokenfleet.gateway import batches, completions, errors, files
 from tokenfleet.gateway.errors import APIError
 from tokenfleet.gateway.service import Service
+from tokenfleet.transport.redis_memory import RECHECK_S, read_memory_policy
 from tokenfleet.transport.status import lane_queues
 
 log = logging.getLogger(__name__)
@@ -58,7 +67,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return Response('{"status":"ok"}', media_type="application/json")
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        if time.monotonic() - metrics.memory_checked > RECHECK_S:
+            metrics.memory_checked = time.monotonic()
+            service = request.app.state.service
+            with contextlib.suppress(redis.RedisError):
+                policy = await asyncio.to_thread(read_memory_policy, service.sync_redis())
+                metrics.redis_evicting.set(-1 if policy.policy is None else int(policy.evicting))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/fleet/queues")
@@ -133,6 +148,14 @@ class _Metrics:
             registry=self.registry,
         )
 
+        self.redis_evicting = Gauge(
+            "tokenfleet_redis_evicting",
+            "1: Redis's maxmemory-policy may delete our keys (not noeviction); 0: safe; -1: unknown.",
+            registry=self.registry,
+        )
+        self.redis_evicting.set(-1)
+        self.memory_checked = float("-inf")
+
     def observe(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
         self.latency.labels(route=route).observe(seconds)
@@ -141,7 +164,6 @@ class _Metrics:
 def _start_batch_jobs(config: GatewayConfig, stop: threading.Event) -> threading.Thread:
     """An RQ worker thread for Batch API jobs (no fork: a SimpleWorker); every replica may run one,
     and each job runs once."""
-    import redis as redis_py
     from rq import Queue, SimpleWorker
     from rq.serializers import JSONSerializer
     from rq.timeouts import TimerDeathPenalty
@@ -158,7 +180,7 @@ def _start_batch_jobs(config: GatewayConfig, stop: threading.Event) -> threading
             pass
 
     def work() -> None:
-        connection = redis_py.Redis.from_url(config.redis.url)
+        connection = redis.Redis.from_url(config.redis.url)
         queue = Queue(rq_queue(config.redis.prefix), connection=connection, serializer=JSONSerializer)
         worker = ThreadWorker([queue], connection=connection, serializer=JSONSerializer)
         while not stop.is_set():

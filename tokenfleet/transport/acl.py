@@ -20,6 +20,7 @@ _CONNECT = [
     "+auth",
     "+select",
     "+readonly",
+    "+info",  # INFO memory: may Redis evict our keys (maxmemory-policy), checked at start-up
 ]  # client libraries ignore a refused CLIENT SETINFO
 # redis-py runs scripts with EVALSHA and loads them on a cache miss.
 _SCRIPTS = ["+eval", "+evalsha", "+script|load"]

@@ -11,6 +11,7 @@ from typing import Any
 import redis
 
 from tokenfleet.protocol import AUTO_BUCKET, GROUP, LANES, Keys
+from tokenfleet.transport.redis_memory import read_memory_policy
 from tokenfleet.transport.registry import heartbeats
 
 
@@ -84,6 +85,7 @@ def fleet_status(client: redis.Redis, keys: Keys, with_workers: bool = True) -> 
     }
     return {
         "prefix": keys.prefix,
+        "redis": read_memory_policy(client).as_dict(),
         "workers": workers,
         "queues": queues,
         "dead_letters": client.xlen(keys.dead_letter),

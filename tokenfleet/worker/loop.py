@@ -116,6 +116,7 @@ class Worker:
             self.metrics.serve(self.config.metrics_port)
             self._metrics_served = True
         self.reader.ensure_groups()
+        self.upkeep.check_redis_memory()
         reliability = self.config.reliability
         limits = {"interactive": reliability.max_queue, "batch": reliability.batch_max_queue}
         self.registry.announce(self.config.batching.buckets, limits)
@@ -272,13 +273,8 @@ class Worker:
             output = self.core.step(flush=self.stopping)
         except Exception as e:  # a failed forward pass fails its sequences, never the worker
             started = self.core.running()
-            self._warn.log(
-                logging.ERROR,
-                "step",
-                "step failed; failing the %d sequences it held",
-                len(started),
-                exc_info=True,
-            )
+            message = "step failed; failing the %d sequences it held"
+            self._warn.log(logging.ERROR, "step", message, len(started), exc_info=True)
             for seq in self.core.abort({s.key for s in started}):
                 self.publisher.fail(seq, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
             return StepOutput(), time.perf_counter() - began

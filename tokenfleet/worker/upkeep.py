@@ -14,6 +14,7 @@ from tokenfleet.protocol import LANES
 from tokenfleet.protocol.affinity import SHARDS
 from tokenfleet.transport.intake import StreamReader
 from tokenfleet.transport.reclaim import Reclaimer
+from tokenfleet.transport.redis_memory import RECHECK_S, MemoryPolicy, check_memory_policy
 from tokenfleet.transport.registry import Registry, heartbeats
 from tokenfleet.transport.shards import assign
 from tokenfleet.worker.metrics import WorkerMetrics
@@ -71,6 +72,8 @@ class Upkeep:
         self._tokens_at_heartbeat = 0
         self._last_trim = time.monotonic()
         self._shards_owned = -1
+        self._memory: MemoryPolicy | None = None
+        self._memory_checked = float("-inf")
 
     def after_turn(self, output: StepOutput) -> None:
         self._update_capacity()
@@ -87,6 +90,19 @@ class Upkeep:
         if self.heartbeat():
             self.assign_shards()
         self.fleet.get()  # every FLEET_BUCKETS_TTL_S: {P}:buckets keeps live workers' only
+        if time.monotonic() - self._memory_checked > RECHECK_S:
+            self.check_redis_memory()
+
+    def check_redis_memory(self, strict: bool = False) -> MemoryPolicy:
+        """May Redis evict our keys? At start-up (``strict``: raise
+        :class:`~tokenfleet.transport.redis_memory.EvictingRedis`), then every
+        :data:`RECHECK_S` (a restart or CONFIG SET): warned once per change, and kept in
+        the ``tokenfleet_redis_evicting`` gauge."""
+        self._memory_checked = time.monotonic()
+        who = f"worker {self.registry.name}"
+        self._memory = policy = check_memory_policy(self.registry.client, strict, who, self._memory)
+        self.metrics.redis_evicting.set(-1 if policy.policy is None else int(policy.evicting))
+        return policy
 
     def assign_shards(self) -> None:
         """Take our share of every bucket's shard streams as the heartbeats stand (a worker that

@@ -1,0 +1,112 @@
+"""A Redis that may evict our keys is said loudly (refused with --strict-redis): by the worker, the
+gateway and `tokenfleet status`, and in the metrics. Each test starts its own redis-server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+import redis
+from click.testing import CliRunner
+
+from tokenfleet.cli.fleet import format_status
+from tokenfleet.config import resolve_worker_config
+from tokenfleet.protocol import Keys
+from tokenfleet.transport.embedded import EmbeddedRedis
+from tokenfleet.transport.redis_memory import EvictingRedis, check_memory_policy, read_memory_policy
+from tokenfleet.transport.status import fleet_status
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("redis_server_binary")]
+
+LRU = ("--maxmemory", "200mb", "--maxmemory-policy", "allkeys-lru")
+
+
+@pytest.fixture
+def evicting():
+    with EmbeddedRedis(extra_args=LRU) as server:
+        yield server
+
+
+def test_the_policy_is_read_and_an_evicting_one_refused_when_strict(evicting, caplog):
+    client = redis.Redis.from_url(evicting.url)
+    policy = read_memory_policy(client)
+    assert (policy.policy, policy.maxmemory, policy.evicting) == ("allkeys-lru", 200 << 20, True)
+    with pytest.raises(EvictingRedis, match="allkeys-lru"):
+        check_memory_policy(client, strict=True, who="worker w")
+    with caplog.at_level("WARNING"):
+        check_memory_policy(client, strict=False, who="worker w")
+    assert "maxmemory-policy is allkeys-lru" in caplog.text
+    client.config_set("maxmemory-policy", "noeviction")
+    assert not read_memory_policy(client).evicting
+    client.close()
+
+
+def test_the_online_profile_is_strict_and_the_default_is_not():
+    assert resolve_worker_config({}, environ={}, profile="online").redis.strict is True
+    assert resolve_worker_config({}, environ={}).redis.strict is False
+    flags = {"strict_redis": False}
+    assert resolve_worker_config(flags, environ={}, profile="online").redis.strict is False
+
+
+def test_status_shows_an_evicting_redis(evicting, prefix):
+    client = redis.Redis.from_url(evicting.url)
+    report = fleet_status(client, Keys(prefix))
+    assert report["redis"] == {"maxmemory_policy": "allkeys-lru", "maxmemory": 200 << 20, "evicting": True}
+    assert "WARNING: redis maxmemory-policy is allkeys-lru" in format_status(report)
+    client.config_set("maxmemory-policy", "noeviction")
+    assert "WARNING" not in format_status(fleet_status(client, Keys(prefix)))
+    client.close()
+
+
+def test_a_strict_worker_refuses_to_start_and_a_lenient_one_warns(evicting, prefix, model_path):
+    from conftest import worker_process
+
+    strict = worker_process(
+        str(model_path), evicting.url, prefix, "--strict-redis", stderr=subprocess.PIPE, text=True
+    )
+    _, err = strict.communicate(timeout=120)
+    assert strict.returncode != 0
+    assert "refuses to run (--strict-redis)" in err and "allkeys-lru" in err
+    assert "Traceback" not in err
+
+    lenient = worker_process(str(model_path), evicting.url, prefix, stderr=subprocess.PIPE, text=True)
+    try:
+        assert lenient.stderr is not None
+        for line in lenient.stderr:  # the warning comes before the worker serves
+            if "serving buckets" in line:
+                pytest.fail("the worker served without warning of the eviction policy")
+            if "maxmemory-policy is allkeys-lru" in line:
+                break
+    finally:
+        lenient.terminate()
+        lenient.communicate(timeout=60)
+
+
+def test_the_gateway_refuses_when_strict_and_exports_the_policy(evicting, prefix, model_path):
+    from gateway_process import Gateway
+
+    strict = subprocess.run(
+        [sys.executable, "-m", "tokenfleet", "serve", "--strict-redis", "--model", str(model_path)],
+        env={"REDIS_URL": evicting.url, "TOKENFLEET_PREFIX": prefix, "PATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert strict.returncode != 0
+    assert "gateway refuses to run (--strict-redis)" in strict.stderr, strict.stderr
+    gateway = Gateway(evicting.url, prefix, str(model_path))
+    try:
+        metrics = httpx.get(gateway.url + "/metrics", timeout=10).text
+        assert "tokenfleet_redis_evicting 1.0" in metrics
+        assert "maxmemory-policy is allkeys-lru" in gateway.output()
+    finally:
+        gateway.stop()
+
+
+def test_the_cli_help_explains_strict_redis():
+    from tokenfleet.cli import main
+
+    out = CliRunner().invoke(main, ["worker", "--help"]).output
+    assert "--strict-redis" in out and "noeviction" in out
