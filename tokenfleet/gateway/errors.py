@@ -64,6 +64,8 @@ def reply_error(code: str, message: str) -> APIError:
         return deadline_error(message)
     if code in CLIENT_ERROR_CODES:
         return APIError(400, message, code=code)
+    if code == ErrorCode.LOST:  # Redis lost the reply: worth one more try, as OpenAI's 503s are
+        return APIError(503, message, "api_error", code)
     return APIError(500, message, "api_error", code)
 
 

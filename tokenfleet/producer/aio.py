@@ -13,7 +13,14 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet.config import redis_url_from_env
-from tokenfleet.producer.base import RECONNECT_GIVE_UP_S, ClientBase, Outage, new_events, reply_events
+from tokenfleet.producer.base import (
+    RECONNECT_GIVE_UP_S,
+    ClientBase,
+    Continuity,
+    Outage,
+    new_events,
+    reply_events,
+)
 from tokenfleet.producer.replies import ReplyReader
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
 from tokenfleet.producer.routing import (
@@ -77,7 +84,14 @@ class AsyncClient(ClientBase):
     ) -> AsyncIterator[ReplyEvent]:
         """The request's reply events in order, until its terminal one, from the one past
         ``after`` (a reply-stream id: an event's ``stream_id``, to resume a dropped stream); raises
-        :class:`~tokenfleet.errors.ResultTimeout` when ``timeout`` seconds pass first."""
+        :class:`~tokenfleet.errors.ResultTimeout` when ``timeout`` seconds pass first, and
+        :class:`~tokenfleet.errors.RequestFailed` ``lost`` where Redis lost part of the reply."""
+        continuity = Continuity(request_id, from_start=after == "0")
+        async for event in self._events(request_id, timeout, after):
+            continuity.check(event)
+            yield event
+
+    async def _events(self, request_id: str, timeout: float | None, after: str) -> AsyncIterator[ReplyEvent]:
         key = self.keys.reply_stream(request_id)
         # Cluster (reply streams on different slots), or this request already followed here (a
         # second reader of it): an XREAD of its own

@@ -9,8 +9,9 @@ from typing import Any
 
 from tokenfleet import protocol
 from tokenfleet.config import prefix_from_env
+from tokenfleet.errors import RequestFailed
 from tokenfleet.producer.routing import build_request, load_tokenizer
-from tokenfleet.protocol import Keys, ReplyEvent, Request
+from tokenfleet.protocol import DoneEvent, ErrorCode, Keys, ReplyEvent, Request, TokenEvent
 from tokenfleet.transport import scripts
 
 BUCKETS_TTL_S = 10.0
@@ -59,6 +60,31 @@ def reply_events(items: Iterable[tuple[Any, dict[bytes, bytes]]]) -> Iterator[tu
             yield entry_id, event
             if event.terminal:
                 return
+
+
+class Continuity:
+    """Raises ``lost`` instead of passing on a reply with a hole in it: token indexes follow one
+    another, and ``done`` counts every token. Only Redis losing writes (a restart without
+    persistence, a failover to a replica that lacked them) makes a hole; read past it, the
+    caller would get a shorter answer that looks complete. A reader that starts after an entry
+    (a resumed stream) cannot know the count before it: it checks from its first event on."""
+
+    def __init__(self, request_id: str, from_start: bool = True):
+        self.request_id = request_id
+        self.next: int | None = 0 if from_start else None  # the index the next token must have
+
+    def check(self, event: ReplyEvent) -> None:
+        if isinstance(event, TokenEvent):
+            expected = event.index if self.next is None else self.next
+            if event.index > expected:
+                raise self._lost(f"tokens {expected}-{event.index - 1} of its reply are missing")
+            self.next = max(expected, event.index + len(event.ids))
+        elif isinstance(event, DoneEvent) and self.next is not None and event.completion_tokens > self.next:
+            raise self._lost(f"its reply holds {self.next} of the {event.completion_tokens} tokens made")
+
+    def _lost(self, what: str) -> RequestFailed:
+        message = f"{what}: Redis lost data (a restart without persistence, or a failover); submit it again"
+        return RequestFailed(self.request_id, ErrorCode.LOST, message)
 
 
 class ClientBase:

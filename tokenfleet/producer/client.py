@@ -12,7 +12,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet.config import redis_url_from_env
-from tokenfleet.producer.base import RECONNECT_GIVE_UP_S, ClientBase, Outage, new_events, reply_events
+from tokenfleet.producer.base import (
+    RECONNECT_GIVE_UP_S,
+    ClientBase,
+    Continuity,
+    Outage,
+    new_events,
+    reply_events,
+)
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
 from tokenfleet.producer.routing import (
     enqueue_args,
@@ -92,7 +99,14 @@ class Client(ClientBase):
     def events(self, request_id: str, timeout: float | None = None) -> Iterator[ReplyEvent]:
         """Every reply event of a request from the first, live, until the terminal one. Works for
         requests submitted elsewhere, earlier (until their reply TTL expires). Safe to call from
-        many threads at once: one read follows every stream this client is streaming."""
+        many threads at once: one read follows every stream this client is streaming. Raises
+        :class:`RequestFailed` ``lost`` where Redis lost part of the reply (a hole in it)."""
+        continuity = Continuity(request_id)
+        for event in self._events(request_id, timeout):
+            continuity.check(event)
+            yield event
+
+    def _events(self, request_id: str, timeout: float | None) -> Iterator[ReplyEvent]:
         key = self.keys.reply_stream(request_id)
         if self._replies is None or self._replies.following(key):  # Cluster, or a second reader of it
             yield from self._events_one_read_each(request_id, timeout)

@@ -74,6 +74,7 @@ class ErrorCode:
     TOO_MANY_ATTEMPTS = "too_many_attempts"  # delivered too often without finishing
     INVALID_GRAMMAR = "invalid_grammar"  # a response_format the grammar engine cannot compile
     INTERNAL = "internal_error"  # a bug or device failure while running the request
+    LOST = "lost"  # Redis lost part of the reply (restart without persistence, failover): readers say so
 
 
 class FinishReason:
