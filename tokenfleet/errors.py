@@ -46,6 +46,10 @@ class RequestFailed(TokenfleetError):
         self.message = message
 
 
+class RedisFull(TokenfleetError):
+    """Redis refused the enqueue: it reached ``maxmemory`` under ``noeviction`` (nothing queued)."""
+
+
 class QueueFull(TokenfleetError):
     """A bucket's request stream holds more waiting entries than its ``max_queue``."""
 

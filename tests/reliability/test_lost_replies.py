@@ -79,47 +79,120 @@ def test_a_hole_in_a_reply_is_lost_not_a_shorter_result(r, redis_url, prefix):
 
 
 @pytest.mark.timeout(300)
-def test_in_flight_requests_across_a_restart_without_persistence_never_end_short(
+def test_requests_across_a_restart_without_persistence_end_whole_or_lost(
     engine, prefix, reference, redis_server_binary
 ):
-    """Redis killed and restarted empty while four requests stream: each caller gets the whole,
-    correct answer or `lost`, never fewer tokens reported as complete; the worker serves on."""
+    """Redis killed and restarted empty while two requests stream and six wait (the sync client
+    follows four, the asyncio client four): each caller gets the whole, correct answer or `lost`,
+    never fewer tokens reported as complete, and none waits out its timeout; the worker serves
+    on."""
     from conftest import RunningWorker
 
     from tokenfleet.config import DynamicBatchingConfig
 
     server = EmbeddedRedis(binary=redis_server_binary).start()
-    batching = DynamicBatchingConfig(max_wait_ms=10, max_batch_size=4, max_seq_len=512, buckets=(16, 64))
-    prompts = [f"lost {i}" for i in range(4)]
+    batching = DynamicBatchingConfig(max_wait_ms=10, max_batch_size=2, max_seq_len=512, buckets=(16, 64))
+    prompts = [f"lost {i}" for i in range(8)]
     new = 200
+
+    def outcome(prompt: str, token_ids: list[int]) -> str:
+        expected = reference.greedy(reference.ids(prompt), new, ignore_eos=True)
+        return "whole" if token_ids == expected else f"wrong {len(token_ids)}"
+
+    async def follow_async(handles) -> list[str]:
+        out = []
+        for p, h in handles:
+            try:
+                out.append(outcome(p, (await h.result(timeout=90)).token_ids))
+            except RequestFailed as e:
+                out.append(e.code)
+        return out
+
+    async def submit_async(client) -> list:
+        return [
+            (p, await client.submit(input_ids=reference.ids(p), max_new_tokens=new, ignore_eos=True))
+            for p in prompts[4:]
+        ]
+
     try:
         with RunningWorker(engine, server.url, prefix, batching, claim_idle_ms=2000) as running:
             client = Client(server.url, prefix=prefix, buckets=[16, 64])
             handles = [
                 client.submit(input_ids=reference.ids(p), max_new_tokens=new, ignore_eos=True)
-                for p in prompts
+                for p in prompts[:4]
             ]
-            streams = [iter(h.stream(timeout=120)) for h in handles]
-            for s in streams:
-                next(s)  # every request is running and its caller has read a token
-                s.close()
+            loop = asyncio.new_event_loop()
+            aclient = AsyncClient(server.url, prefix=prefix, buckets=[16, 64])
+            ahandles = loop.run_until_complete(submit_async(aclient))
+            first = iter(handles[0].stream(timeout=120))
+            next(first)  # the first batch is running
+            first.close()
             server.stop()
             time.sleep(1.0)
             server.start()  # empty: no AOF, no RDB
             outcomes = []
             for p, h in zip(prompts, handles):
                 try:
-                    res = h.result(timeout=120)
-                    expected = reference.greedy(reference.ids(p), new, ignore_eos=True)
-                    outcomes.append("whole" if res.token_ids == expected else f"wrong {len(res.token_ids)}")
+                    outcomes.append(outcome(p, h.result(timeout=90).token_ids))
                 except RequestFailed as e:
                     outcomes.append(e.code)
+            outcomes += loop.run_until_complete(follow_async(ahandles))
             assert all(o in ("whole", ErrorCode.LOST) for o in outcomes), outcomes
+            assert ErrorCode.LOST in outcomes, outcomes  # the queued ones at least were lost
             after = client.submit(input_ids=reference.ids("after"), max_new_tokens=8, ignore_eos=True)
             assert after.result(timeout=120).token_ids == reference.greedy(
                 reference.ids("after"), 8, ignore_eos=True
             )
             running.assert_healthy()
             client.close()
+            loop.run_until_complete(aclient.close())
+            loop.close()
     finally:
+        server.stop()
+
+
+@pytest.mark.timeout(300)
+def test_the_gateway_answers_503_lost_when_redis_comes_back_empty(
+    engine, prefix, reference, redis_server_binary, model_path
+):
+    """A whole and a streamed completion wait behind a long request on the only worker; Redis is
+    restarted empty: both end with `lost` (503 whole, an error event streamed), not a hang."""
+    import concurrent.futures
+
+    import openai
+    from conftest import RunningWorker
+    from gateway_process import Gateway
+
+    from tokenfleet.config import DynamicBatchingConfig
+
+    server = EmbeddedRedis(binary=redis_server_binary).start()
+    batching = DynamicBatchingConfig(max_wait_ms=10, max_batch_size=1, max_seq_len=2048, buckets=(16, 64))
+    gateway = None
+    try:
+        with RunningWorker(engine, server.url, prefix, batching, claim_idle_ms=2000) as running:
+            client = Client(server.url, prefix=prefix, buckets=[16, 64])
+            busy = client.submit(input_ids=reference.ids("busy"), max_new_tokens=1500, ignore_eos=True)
+            next(iter(busy.stream(timeout=120)))  # the only slot is taken
+            gateway = Gateway(server.url, prefix, str(model_path), "--request-timeout-s", "600")
+            api = gateway.openai(timeout=120)
+            model = api.models.list().data[0].id
+            ask = dict(model=model, prompt="queued", max_tokens=8)
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                whole = pool.submit(api.completions.create, **ask)
+                stream = pool.submit(lambda: list(api.completions.create(**ask, stream=True)))
+                time.sleep(2.0)  # both enqueued, waiting behind `busy`
+                server.stop()
+                time.sleep(1.0)
+                server.start()
+                with pytest.raises(openai.APIStatusError) as waited:
+                    whole.result(timeout=120)
+                with pytest.raises(openai.APIError) as streamed:
+                    stream.result(timeout=120)
+            assert waited.value.status_code == 503 and waited.value.body["code"] == ErrorCode.LOST
+            assert "lost" in str(streamed.value.body or streamed.value)
+            running.assert_healthy()
+            client.close()
+    finally:
+        if gateway is not None:
+            gateway.stop()
         server.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -110,3 +111,42 @@ def test_the_cli_help_explains_strict_redis():
 
     out = CliRunner().invoke(main, ["worker", "--help"]).output
     assert "--strict-redis" in out and "noeviction" in out
+
+
+@pytest.mark.timeout(300)
+def test_a_full_redis_refuses_new_requests_and_loses_none_it_accepted(engine, prefix, reference):
+    """Redis reaches maxmemory (noeviction) while 24 requests stream: a new submit gets RedisFull
+    in one line, the worker keeps what it holds and publishes again once there is room, and every
+    accepted request ends whole and correct (nothing acknowledged that was not written)."""
+    from conftest import RunningWorker
+
+    from tokenfleet.config import DynamicBatchingConfig
+    from tokenfleet.errors import RedisFull
+    from tokenfleet.producer import Client
+
+    batching = DynamicBatchingConfig(max_wait_ms=10, max_batch_size=8, max_seq_len=512, buckets=(16, 64))
+    prompts = [f"full {i}" for i in range(24)]
+    with EmbeddedRedis(extra_args=("--maxmemory-policy", "noeviction")) as server:
+        admin = redis.Redis.from_url(server.url)
+        with RunningWorker(engine, server.url, prefix, batching, claim_idle_ms=3000) as running:
+            client = Client(server.url, prefix=prefix, buckets=[16, 64])
+            handles = [
+                client.submit(input_ids=reference.ids(p), max_new_tokens=120, ignore_eos=True)
+                for p in prompts
+            ]
+            first = iter(handles[0].stream(timeout=120))
+            next(first)  # streaming
+            first.close()
+            used = int(admin.info("memory")["used_memory"])
+            admin.config_set("maxmemory", str(used // 2))  # full: every write refused
+            with pytest.raises(RedisFull, match="out of memory"):
+                client.submit(input_ids=reference.ids("one more"), max_new_tokens=4)
+            time.sleep(3.0)  # the worker meets OOM on its writes and backs off, holding its work
+            assert running.thread.is_alive()
+            admin.config_set("maxmemory", "0")  # room again
+            got = [h.result(timeout=180).token_ids for h in handles]
+            expected = [reference.greedy(reference.ids(p), 120, ignore_eos=True) for p in prompts]
+            assert got == expected
+            running.assert_healthy()
+            client.close()
+        admin.close()

@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from tokenfleet.errors import ProtocolError, QueueFull, RequestFailed, ResultTimeout
+from tokenfleet.errors import ProtocolError, QueueFull, RedisFull, RequestFailed, ResultTimeout
 from tokenfleet.producer.openai_format import CLIENT_ERROR_CODES
 from tokenfleet.protocol import ErrorCode
 
@@ -47,6 +47,8 @@ def api_error(error: Exception) -> APIError:
     if isinstance(error, QueueFull):
         retry = {"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)}
         return APIError(429, str(error), "rate_limit_error", "queue_full", headers=retry)
+    if isinstance(error, RedisFull):  # retryable once Redis has room: 503, as OpenAI's overload
+        return APIError(503, str(error), "api_error", "redis_full")
     if isinstance(error, RequestFailed):
         return reply_error(error.code, error.message)
     if isinstance(error, ResultTimeout):

@@ -8,6 +8,9 @@ import asyncio
 import time
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from tokenfleet.gateway.errors import APIError
 from tokenfleet.gateway.fleet import Fleet
 
@@ -25,7 +28,11 @@ async def until_orphaned(fleet: Fleet, model: str) -> None:
     missing_since: float | None = None
     while True:
         await asyncio.sleep(POLL_S)
-        if model in await fleet.models():
+        try:
+            served = model in await fleet.models()
+        except (RedisConnectionError, RedisTimeoutError):  # Redis away is no verdict on the workers
+            continue
+        if served:
             missing_since = None
         elif missing_since is None:
             missing_since = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,10 +15,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet.config import redis_url_from_env
 from tokenfleet.producer.base import (
+    LIVENESS_S,
     RECONNECT_GIVE_UP_S,
     ClientBase,
     Continuity,
+    Liveness,
     Outage,
+    mark_reply_stream,
     new_events,
     reply_events,
 )
@@ -47,8 +51,8 @@ class AsyncClient(ClientBase):
         super().__init__(
             client or connect_async_client(redis_url_from_env(redis_url)), model, prefix, buckets
         )
-        cluster = isinstance(self.redis, aioredis.RedisCluster)
-        self._replies = None if cluster else ReplyReader(self.redis, self.keys, RECONNECT_GIVE_UP_S)
+        self._cluster = isinstance(self.redis, aioredis.RedisCluster)
+        self._replies = None if self._cluster else ReplyReader(self.redis, self.keys, RECONNECT_GIVE_UP_S)
 
     async def buckets(self) -> list[int]:
         cached = self._cached_buckets()
@@ -67,10 +71,27 @@ class AsyncClient(ClientBase):
         request = self._prepare(prompt, input_ids, request_id, params)
         stream = target_stream(self.keys, request, await self.buckets())
         keys, args = enqueue_args(self.keys, stream, request)
-        try:
-            await self._enqueue(keys=keys, args=args)
-        except ResponseError as e:
-            raise queue_full_error(e) or e from e
+        reply = self.keys.reply_stream(request.id)
+        pipe = self.redis.pipeline(transaction=not self._cluster)  # see Client.submit
+        mark_reply_stream(pipe, reply, request.reply_ttl_s)
+        if self._cluster:
+            try:
+                await pipe.execute()
+                enqueued = await self._enqueue(keys=keys, args=args)
+            except ResponseError as e:
+                enqueued = e
+        else:
+            await self._enqueue(keys=keys, args=args, client=pipe)
+            try:
+                enqueued = (await pipe.execute(raise_on_error=False))[-1]
+            except ResponseError as e:  # EXECABORT: a command refused as queued (OOM)
+                enqueued = e
+        if isinstance(enqueued, ResponseError):
+            with contextlib.suppress(ResponseError):  # see Client._unmark
+                if await self.redis.xlen(reply) == 0:
+                    await self.redis.delete(reply)
+            raise queue_full_error(enqueued) or enqueued
+        self._remember_submitted(request.id)
         return AsyncHandle(self, request.id)
 
     async def chat(
@@ -109,17 +130,28 @@ class AsyncClient(ClientBase):
             expiry = asyncio.get_running_loop().call_later(
                 max(0.0, deadline - time.monotonic()), inbox.put_nowait, result_timeout(request_id, timeout)
             )
+        # a quiet stream is looked at every LIVENESS_S: an empty list in the inbox says when
+        liveness = self._liveness(request_id)
+        loop = asyncio.get_running_loop()
+        ticker = loop.call_later(LIVENESS_S, inbox.put_nowait, [])
         try:
             while True:
                 next_block_ms(request_id, deadline, timeout)  # raises past the deadline
                 entries = await inbox.get()
                 if isinstance(entries, BaseException):
                     raise entries
+                if not entries:
+                    if liveness.due():
+                        await self._judge(liveness, key)
+                    ticker = loop.call_later(LIVENESS_S, inbox.put_nowait, [])
+                    continue
+                liveness.events_came()
                 for _, event in reply_events(entries):
                     yield event
                     if event.terminal:
                         return
         finally:
+            ticker.cancel()
             if expiry is not None:
                 expiry.cancel()
             self._replies.unfollow(key)
@@ -131,9 +163,14 @@ class AsyncClient(ClientBase):
         deadline = None if timeout is None else time.monotonic() + timeout
         last: Any = after
         outage = Outage()
+        liveness = self._liveness(request_id)
         while True:
             try:
                 resp = await self.redis.xread({key: last}, block=next_block_ms(request_id, deadline, timeout))
+                if resp:
+                    liveness.events_came()
+                elif liveness.due():
+                    await self._judge(liveness, key)
             except (RedisConnectionError, RedisTimeoutError) as e:
                 await asyncio.sleep(outage.failed(e))
                 continue
@@ -143,6 +180,13 @@ class AsyncClient(ClientBase):
                 yield event
                 if event.terminal:
                     return
+
+    async def _judge(self, liveness: Liveness, key: str) -> None:
+        try:
+            exists = bool(await self.redis.exists(key))
+        except (RedisConnectionError, RedisTimeoutError):
+            return  # Redis away: the read's own retries deal with it
+        liveness.judge(exists)
 
     async def stream(self, request_id: str, timeout: float | None = None) -> AsyncIterator[Chunk]:
         builder = ResultBuilder(request_id)

@@ -4,6 +4,7 @@ building and validation, so that both behave the same."""
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -21,6 +22,47 @@ CANCEL_TTL_S = 24 * 3600  # long enough for a queued request to be seen
 
 
 RETRY_S = 0.2  # pause between reads of a reply stream while Redis is unreachable
+LIVENESS_S = 5.0  # a follower that got no event this long checks that its reply stream exists
+ALIVE_GROUP = "tokenfleet-alive"  # made and dropped at once: it creates the stream empty
+SUBMITTED_KEPT = 100_000  # ids a client remembers submitting (their streams surely existed)
+
+
+def mark_reply_stream(pipe: Any, key: str, ttl_s: int) -> None:
+    """Queue, before the enqueue in one MULTI, what creates the request's reply stream empty (a
+    consumer group made with MKSTREAM at id 0, then dropped, leaves an empty stream whose first
+    token can still go at ``0-1``). From then on the stream exists while the request lives:
+    a stream that is gone means Redis lost the request (:class:`Liveness`)."""
+    pipe.xgroup_create(key, ALIVE_GROUP, id="0", mkstream=True)
+    pipe.xgroup_destroy(key, ALIVE_GROUP)
+    pipe.expire(key, ttl_s)
+
+
+class Liveness:
+    """Says ``lost`` when a followed request's reply stream is gone: it exists from the enqueue
+    on (:func:`mark_reply_stream`) until its TTL, so its absence means Redis lost the request (a
+    restart without persistence, a failover). Checked after :data:`LIVENESS_S` without events.
+    A stream never seen (a request a producer in another language enqueued without the marker,
+    not started yet) is waited for, as before."""
+
+    def __init__(self, request_id: str, known: bool):
+        self.request_id = request_id
+        self.seen = known
+        self.checked = time.monotonic()
+
+    def due(self) -> bool:
+        return time.monotonic() - self.checked >= LIVENESS_S
+
+    def events_came(self) -> None:
+        self.seen, self.checked = True, time.monotonic()
+
+    def judge(self, exists: bool) -> None:
+        """After an EXISTS of the stream; raises :class:`RequestFailed` ``lost``."""
+        self.checked = time.monotonic()
+        if exists:
+            self.seen = True
+        elif self.seen:
+            message = "its request and reply stream are gone: Redis lost data (a restart without "
+            raise RequestFailed(self.request_id, ErrorCode.LOST, message + "persistence, or a failover)")
 
 
 class Outage:
@@ -96,6 +138,15 @@ class ClientBase:
         self._enqueue = self.redis.register_script(scripts.ENQUEUE)
         self._buckets: list[int] = []
         self._buckets_at = float("-inf")
+        self._submitted: OrderedDict[str, None] = OrderedDict()
+
+    def _remember_submitted(self, request_id: str) -> None:
+        self._submitted[request_id] = None
+        if len(self._submitted) > SUBMITTED_KEPT:
+            self._submitted.popitem(last=False)
+
+    def _liveness(self, request_id: str) -> Liveness:
+        return Liveness(request_id, known=request_id in self._submitted)
 
     def _cached_buckets(self) -> list[int] | None:
         """The bucket list if it needs no Redis round trip (given, or fresh in the cache)."""

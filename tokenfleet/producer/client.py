@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 from collections.abc import Iterator
@@ -13,10 +14,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet.config import redis_url_from_env
 from tokenfleet.producer.base import (
+    LIVENESS_S,
     RECONNECT_GIVE_UP_S,
     ClientBase,
     Continuity,
+    Liveness,
     Outage,
+    mark_reply_stream,
     new_events,
     reply_events,
 )
@@ -53,8 +57,10 @@ class Client(ClientBase):
         super().__init__(client or connect_client(redis_url_from_env(redis_url)), model, prefix, buckets)
         # every stream followed by one read on a thread of its own; on a Cluster (reply streams
         # on different slots, which one XREAD cannot span) each request reads its own
-        cluster = isinstance(self.redis, redis.RedisCluster)
-        self._replies = None if cluster else ThreadedReplyReader(self.redis, self.keys, RECONNECT_GIVE_UP_S)
+        self._cluster = isinstance(self.redis, redis.RedisCluster)
+        self._replies = (
+            None if self._cluster else ThreadedReplyReader(self.redis, self.keys, RECONNECT_GIVE_UP_S)
+        )
 
     def buckets(self) -> list[int]:
         """Bucket sizes served by the fleet (announced by workers; cached for a few seconds)."""
@@ -84,11 +90,35 @@ class Client(ClientBase):
         request = self._prepare(prompt, input_ids, request_id, params)
         stream = target_stream(self.keys, request, self.buckets())
         keys, args = enqueue_args(self.keys, stream, request)
-        try:
-            self._enqueue(keys=keys, args=args)
-        except redis.ResponseError as e:
-            raise queue_full_error(e) or e from e
+        reply = self.keys.reply_stream(request.id)
+        # one MULTI: the empty reply stream and the request exist together or not at all (on a
+        # Cluster they live on different slots: two steps, the stream first)
+        pipe = self.redis.pipeline(transaction=not self._cluster)
+        mark_reply_stream(pipe, reply, request.reply_ttl_s)
+        if self._cluster:  # a cluster pipeline cannot load a script: the enqueue goes on its own
+            try:
+                pipe.execute()
+                enqueued = self._enqueue(keys=keys, args=args)
+            except redis.ResponseError as e:
+                enqueued = e
+        else:
+            self._enqueue(keys=keys, args=args, client=pipe)
+            try:
+                enqueued = pipe.execute(raise_on_error=False)[-1]
+            except redis.ResponseError as e:  # EXECABORT: a command refused as queued (OOM)
+                enqueued = e
+        if isinstance(enqueued, redis.ResponseError):
+            self._unmark(reply)
+            raise queue_full_error(enqueued) or enqueued
+        self._remember_submitted(request.id)
         return Handle(self, request.id, stream)
+
+    def _unmark(self, reply: str) -> None:
+        """Drop the reply stream a refused enqueue created (if still empty: an id used before
+        keeps its replies)."""
+        with contextlib.suppress(redis.ResponseError):  # an ACL without DEL: it expires
+            if self.redis.xlen(reply) == 0:
+                self.redis.delete(reply)
 
     def chat(self, messages: list[dict[str, str]], *, request_id: str | None = None, **params: Any) -> Handle:
         """Enqueue a chat: OpenAI-style ``messages`` (``[{"role": "user", "content": "..."}]``),
@@ -112,18 +142,22 @@ class Client(ClientBase):
             yield from self._events_one_read_each(request_id, timeout)
             return
         deadline = None if timeout is None else time.monotonic() + timeout
+        liveness = self._liveness(request_id)
         inbox = self._replies.follow(key)
         try:
             while True:
-                wait_s = None if deadline is None else deadline - time.monotonic()
-                if wait_s is not None and wait_s <= 0:
+                wait_s = LIVENESS_S if deadline is None else min(LIVENESS_S, deadline - time.monotonic())
+                if wait_s <= 0:
                     raise result_timeout(request_id, timeout)
                 try:
                     entries = inbox.get(timeout=wait_s)
-                except queue.Empty:
-                    continue  # the deadline, checked above
+                except queue.Empty:  # the deadline (checked above), or a quiet stream: still there?
+                    if liveness.due():
+                        self._judge(liveness, key)
+                    continue
                 if isinstance(entries, BaseException):
                     raise entries
+                liveness.events_came()
                 for _, event in reply_events(entries):
                     yield event
                     if event.terminal:
@@ -136,9 +170,14 @@ class Client(ClientBase):
         deadline = None if timeout is None else time.monotonic() + timeout
         last: Any = "0"
         outage = Outage()
+        liveness = self._liveness(request_id)
         while True:
             try:
                 resp = self.redis.xread({key: last}, block=next_block_ms(request_id, deadline, timeout))
+                if resp:
+                    liveness.events_came()
+                elif liveness.due():
+                    self._judge(liveness, key)
             except (RedisConnectionError, RedisTimeoutError) as e:
                 time.sleep(outage.failed(e))
                 continue
@@ -148,6 +187,13 @@ class Client(ClientBase):
                 yield event
                 if event.terminal:
                     return
+
+    def _judge(self, liveness: Liveness, key: str) -> None:
+        try:
+            exists = bool(self.redis.exists(key))
+        except (RedisConnectionError, RedisTimeoutError):
+            return  # Redis away: the read's own retries deal with it
+        liveness.judge(exists)
 
     def stream(self, request_id: str, timeout: float | None = None) -> Iterator[Chunk]:
         """Token chunks as they arrive; raises :class:`RequestFailed` on an ``error`` event."""

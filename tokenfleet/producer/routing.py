@@ -11,8 +11,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from redis.exceptions import OutOfMemoryError
+
 from tokenfleet import protocol
-from tokenfleet.errors import QueueFull, ResultTimeout
+from tokenfleet.errors import QueueFull, RedisFull, ResultTimeout
 from tokenfleet.protocol import Keys, Request, ResponseFormat
 from tokenfleet.protocol.affinity import shard_of
 from tokenfleet.protocol.output_controls import parse_logit_bias, parse_response_format
@@ -111,10 +113,18 @@ def result_timeout(request_id: str, timeout: float | None) -> ResultTimeout:
     return ResultTimeout(f"no terminal event for request {request_id} within {timeout}s")
 
 
-def queue_full_error(error: Exception) -> QueueFull | None:
-    """The :class:`QueueFull` that an ENQUEUE_SCRIPT refusal stands for, or None."""
+def queue_full_error(error: Exception) -> QueueFull | RedisFull | None:
+    """The :class:`QueueFull` that an ENQUEUE_SCRIPT refusal stands for, the :class:`RedisFull`
+    of a Redis out of memory (under MULTI: the transaction aborted for it), or None."""
     text = str(error)
-    return QueueFull(text.removeprefix("QUEUEFULL ")) if text.startswith("QUEUEFULL") else None
+    if text.startswith("QUEUEFULL"):
+        return QueueFull(text.removeprefix("QUEUEFULL "))
+    if isinstance(error, OutOfMemoryError) or "used memory > 'maxmemory'" in text:
+        return RedisFull(
+            "Redis is out of memory (maxmemory reached under noeviction): the request was not queued; "
+            "free memory or raise maxmemory"
+        )
+    return None
 
 
 def enqueue_args(keys: Keys, stream: str, request: Request) -> tuple[list[str], list]:

@@ -23,7 +23,7 @@ _CONNECT = [
     "+info",  # INFO memory: may Redis evict our keys (maxmemory-policy), checked at start-up
 ]  # client libraries ignore a refused CLIENT SETINFO
 # redis-py runs scripts with EVALSHA and loads them on a cache miss.
-_SCRIPTS = ["+eval", "+evalsha", "+script|load"]
+_SCRIPTS = ["+eval", "+evalsha", "+script|load", "+script|exists"]  # EXISTS: scripts in a pipeline
 
 PRODUCER_COMMANDS = (
     _CONNECT
@@ -41,6 +41,8 @@ PRODUCER_COMMANDS = (
         "+xrevrange",  # a queued request, looked for by id
         "+scan",  # the request streams, to look in
         "+hgetall",  # the workers' heartbeats: is anyone serving this bucket
+        "+multi",
+        "+exec",  # the empty reply stream and the request, enqueued together
     ]
 )
 MONITOR_COMMANDS = _CONNECT + [
@@ -105,7 +107,10 @@ def producer_key_patterns(prefix: str) -> list[str]:
 def producer_selectors(prefix: str) -> list[str]:
     """Rights on some keys only (Redis 7 selectors): expiring and deleting a wake-up stream must
     not let a producer expire or delete request streams."""
-    return [f"(+expire +del ~{prefix}:client:*)"]
+    # and the empty reply stream made with each request (a consumer group created and dropped
+    # at once, then its TTL) must not let it write events there
+    reply = f"(+xgroup|create +xgroup|destroy +expire ~{prefix}:reply:*)"
+    return [f"(+expire +del ~{prefix}:client:*)", reply]
 
 
 def worker_key_patterns(prefix: str) -> list[str]:

@@ -106,6 +106,8 @@ class Outbox:
             try:  # redis-py's Script loads the script if Redis lost it (a restart)
                 reply = self._publish(*_script_form(self._writes + self._acks))
             except redis.ResponseError as e:
+                if is_out_of_memory(e):
+                    raise  # all of it stays queued: the loop backs off and sends it again
                 self._without_scripts(e)
             else:
                 self._writes, self._acks = [], []
@@ -118,6 +120,9 @@ class Outbox:
             for name, args, kwargs in queue:
                 getattr(pipe, name)(*args, **kwargs)
             results = pipe.execute(raise_on_error=False)
+            full = next((r for r in results if isinstance(r, Exception) and is_out_of_memory(r)), None)
+            if full is not None:  # keep it all, acknowledgements included, for the next try
+                raise full
             queue.clear()
             errors += _refused(results)
         return errors
@@ -147,6 +152,9 @@ class Outbox:
         again now, by :meth:`flush`."""
         if self.atomic and results:
             reply = results[0]
+            if isinstance(reply, redis.ResponseError) and is_out_of_memory(reply):
+                self.restore()  # what ran before the refusal is safe to send again
+                raise reply
             if isinstance(reply, redis.ResponseError):  # nothing ran
                 if not isinstance(reply, redis.exceptions.NoScriptError):
                     self._without_scripts(reply)
@@ -171,6 +179,14 @@ class Outbox:
         acknowledgements, not atomic."""
         log.warning("redis refused the publish script (%s): replies go in plain pipelines from now on", error)
         self._publish = None
+
+
+def is_out_of_memory(error: Exception) -> bool:
+    """Redis refused a write because it reached ``maxmemory`` under ``noeviction``."""
+    # redis-py turns an "OOM ..." reply into OutOfMemoryError, and keeps the text in a pipeline's
+    return isinstance(error, redis.exceptions.OutOfMemoryError) or (
+        isinstance(error, redis.ResponseError) and "used memory > 'maxmemory'" in str(error)
+    )
 
 
 def _script_form(commands: list[Command]) -> tuple[list[Any], list[Any]]:

@@ -93,6 +93,9 @@ for k = 1, #KEYS do
   local n = tonumber(ARGV[a + 1])
   local reply = redis.pcall(ARGV[a], KEYS[k], unpack(ARGV, a + 2, a + 1 + n))
   if type(reply) == 'table' and reply.err then
+    if string.sub(reply.err, 1, 3) == 'OOM' then  -- Redis is full: acknowledge nothing after it
+      return redis.error_reply(reply.err)
+    end
     errors[#errors + 1] = k
     errors[#errors + 1] = reply.err
   end
@@ -102,7 +105,9 @@ return errors
 """
 """Run one step's writes as one atomic call: KEYS[k] is the k-th command's key; ARGV holds, for
 each, its name, argument count and arguments. Every command runs; refusals come back as
-{k, message, ...} (e.g. a copy of an event refused at its fixed id)."""
+{k, message, ...} (e.g. a copy of an event refused at its fixed id). A write refused for memory
+(OOM: Redis full under noeviction) ends the script with that error, before any acknowledgement
+after it: the worker sends it all again later (events at fixed ids and XACK are idempotent)."""
 
 TRIM_ACKED = """
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1])

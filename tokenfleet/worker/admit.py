@@ -57,8 +57,8 @@ class Admitter:
         entry = incoming.entry
         try:
             refusal = incoming.refusal or self._admit(incoming)
-        except (redis.ConnectionError, redis.TimeoutError):
-            raise  # not the entry's fault: retried by the loop, the entry stays pending
+        except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError):
+            raise  # not the entry's fault (Redis away, or full): the entry stays pending, is reclaimed
         except Exception as e:  # a bug must cost one request, never the worker
             log.exception("failed to take entry %s %s", entry.stream, entry.entry_id)
             refusal = Refusal(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", dead_letter=True)
