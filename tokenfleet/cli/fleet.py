@@ -156,14 +156,14 @@ def rq_worker(redis_url: str | None, prefix: str | None, burst: bool) -> None:
     """Process tokenfleet's RQ jobs (batch --enqueue) with the JSON serializer; the queue is named
     after the prefix. Plain `rq worker` works too:
     rq worker tokenfleet --serializer rq.serializers.JSONSerializer --url URL"""
-    import redis
     from rq import Queue, Worker
     from rq.serializers import JSONSerializer
 
     from tokenfleet.producer.bulk import rq_queue
+    from tokenfleet.transport.connection import connect_server
 
     with one_line_errors():
-        connection = redis.Redis.from_url(redis_url_from_env(redis_url))
+        connection = connect_server(redis_url_from_env(redis_url))
         connection.ping()
         queue = Queue(rq_queue(prefix_from_env(prefix)), connection=connection, serializer=JSONSerializer)
         Worker([queue], connection=connection, serializer=JSONSerializer).work(burst=burst)

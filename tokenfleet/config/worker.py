@@ -19,7 +19,8 @@ class RedisConfig:
 
     url: str = setting(
         DEFAULT_REDIS_URL,
-        "Redis URL (redis:// or rediss://, user:password@ allowed).",
+        "Redis URL: redis:// or rediss:// (user:password@ allowed; any node of a Cluster), or "
+        "redis+sentinel://host:26379,host2:26379/SERVICE/0 for the master Sentinels name.",
         flag="redis_url",
         env_aliases=("REDIS_URL",),
     )

@@ -29,6 +29,7 @@ from tokenfleet.config import GatewayConfig
 from tokenfleet.gateway import batches, completions, errors, files
 from tokenfleet.gateway.errors import APIError
 from tokenfleet.gateway.service import Service
+from tokenfleet.transport.connection import connect_server
 from tokenfleet.transport.redis_memory import RECHECK_S, read_memory_policy
 from tokenfleet.transport.status import lane_queues
 
@@ -180,7 +181,7 @@ def _start_batch_jobs(config: GatewayConfig, stop: threading.Event) -> threading
             pass
 
     def work() -> None:
-        connection = redis.Redis.from_url(config.redis.url)
+        connection = connect_server(config.redis.url)
         queue = Queue(rq_queue(config.redis.prefix), connection=connection, serializer=JSONSerializer)
         worker = ThreadWorker([queue], connection=connection, serializer=JSONSerializer)
         while not stop.is_set():

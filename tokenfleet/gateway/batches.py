@@ -120,12 +120,13 @@ async def _record(service: Service, batch_id: str) -> dict[str, Any]:
 
 
 def _enqueue(service: Service, batch_id: str) -> None:
-    import redis as redis_py
     from rq import Queue
     from rq.serializers import JSONSerializer
 
+    from tokenfleet.transport.connection import connect_server
+
     config = service.config
-    connection = redis_py.Redis.from_url(config.redis.url)
+    connection = connect_server(config.redis.url)
     queue = Queue(rq_queue(config.redis.prefix), connection=connection, serializer=JSONSerializer)
     queue.enqueue(
         JOB,

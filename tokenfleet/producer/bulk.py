@@ -249,12 +249,13 @@ def enqueue_batch(
 ) -> str:
     """Enqueue :func:`run_batch_job` on the fleet's RQ queue (:func:`rq_queue`, JSON serializer);
     every line is checked first. Returns the job id."""
-    import redis
     from rq import Queue
     from rq.serializers import JSONSerializer
 
+    from tokenfleet.transport.connection import connect_server
+
     read_inputs(input_path, defaults)
-    queue = Queue(rq_queue(prefix), connection=redis.Redis.from_url(redis_url), serializer=JSONSerializer)
+    queue = Queue(rq_queue(prefix), connection=connect_server(redis_url), serializer=JSONSerializer)
     job = queue.enqueue(
         run_batch_job,
         args=(
