@@ -196,3 +196,59 @@ def test_the_gateway_answers_503_lost_when_redis_comes_back_empty(
         if gateway is not None:
             gateway.stop()
         server.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_batch_job_across_a_restart_without_persistence_answers_every_line(
+    engine, prefix, reference, redis_server_binary, tmp_path
+):
+    """`tokenfleet batch` (run_batch) of 32 lines, Redis restarted empty once results flow: the
+    lines Redis lost go again on their own, and every line ends answered, correct, in order."""
+    import json
+    import threading
+
+    from conftest import RunningWorker
+
+    from tokenfleet.config import DynamicBatchingConfig
+    from tokenfleet.producer.bulk import run_batch
+
+    prompts, results = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
+    lines = [
+        {"input_ids": reference.ids(f"line {i}"), "max_new_tokens": 16, "ignore_eos": True} for i in range(32)
+    ]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    server = EmbeddedRedis(binary=redis_server_binary).start()
+    batching = DynamicBatchingConfig(max_wait_ms=10, max_batch_size=4, max_seq_len=512, buckets=(16, 64))
+    written = []
+    try:
+        with RunningWorker(engine, server.url, prefix, batching, claim_idle_ms=2000) as running:
+            client = Client(server.url, prefix=prefix, buckets=[16, 64])
+            counts: dict = {}
+            job = threading.Thread(
+                target=lambda: counts.update(
+                    run_batch(client, str(prompts), str(results), window=16, progress=written.append)
+                )
+            )
+            job.start()
+            _until(lambda: len(written) >= 5)
+            server.stop()
+            time.sleep(1.0)
+            server.start()  # empty
+            job.join(timeout=240)
+            assert not job.is_alive()
+            running.assert_healthy()
+            client.close()
+    finally:
+        server.stop()
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert counts == {"total": 32, "skipped": 0, "done": 32, "failed": 0}, counts
+    assert [r["index"] for r in rows] == list(range(32))
+    for i, row in enumerate(rows):
+        assert row["token_ids"] == reference.greedy(reference.ids(f"line {i}"), 16, ignore_eos=True), i
+
+
+def _until(check, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)

@@ -16,7 +16,7 @@ import hashlib
 import json
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from tokenfleet.producer.result import Result
 from tokenfleet.protocol import ErrorCode
 
 DEFAULT_WINDOW = 64
+LOST_RETRIES = 3  # times a line whose request Redis lost is submitted again
 BULK_LANE = "batch"  # bulk jobs queue behind interactive traffic unless their lines say otherwise
 
 
@@ -108,13 +109,23 @@ def run_windowed(
 
     def drain_one() -> None:
         i = pending.popleft()
-        if i in refused:
-            on_result(i, refused.pop(i))
-            return
-        try:
-            on_result(i, [client.result(rid, timeout=timeout) for rid, _ in jobs[i].requests])
-        except RequestFailed as e:
-            on_result(i, e)
+        job = jobs[i]
+        failure = refused.pop(i, None)
+        for attempt in range(1, LOST_RETRIES + 2):
+            if failure is not None:
+                return on_result(i, failure)
+            try:
+                return on_result(i, [client.result(rid, timeout=timeout) for rid, _ in job.requests])
+            except RequestFailed as e:
+                if e.code != ErrorCode.LOST or attempt > LOST_RETRIES:
+                    return on_result(i, e)
+                # Redis lost it (restart, failover): the line goes again under fresh ids (a
+                # worker may still write the lost attempt's events under the old ones)
+                for rid, _ in job.requests:
+                    client.cancel(rid)
+                again = [(f"{rid}:again{attempt}", args) for rid, args in jobs[i].requests]
+                job = replace(job, requests=again)
+                failure = _submit(client, job)
 
     for i in range(start, len(jobs)):
         if stop():
