@@ -48,6 +48,11 @@ def format_status(status: dict[str, Any]) -> str:
         )
     elif memory.get("maxmemory_policy") is None:
         lines.append("redis maxmemory-policy: unknown (INFO refused)")
+    if memory.get("out_of_memory"):  # workers look dead then: their heartbeats cannot be written
+        lines.append(
+            "WARNING: redis is out of memory (maxmemory reached): submits are refused, workers hold "
+            "their tokens and cannot heartbeat; raise maxmemory or free memory"
+        )
     lines.append("")
     lines.append(
         f"{'worker':<28} {'state':<6} {'buckets':<16} {'engine':<7} {'device':<8} "

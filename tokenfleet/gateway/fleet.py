@@ -5,9 +5,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import redis
+
 from tokenfleet import protocol
 from tokenfleet.gateway.errors import APIError
 from tokenfleet.protocol import Keys
+from tokenfleet.transport.redis_memory import out_of_memory
 from tokenfleet.transport.registry import STALE_AFTER_S
 
 CACHE_S = 2.0
@@ -20,6 +23,7 @@ class Fleet:
         self._models: dict[str, int] = {}  # served name -> live workers
         self._known: set[str] = set()  # names any heartbeat still in Redis carries, live or not
         self._at = float("-inf")
+        self._full, self._full_at = False, float("-inf")
 
     async def models(self) -> dict[str, int]:
         """Served model name -> how many live workers serve it."""
@@ -39,11 +43,25 @@ class Fleet:
             self._models, self._known, self._at = models, known, time.monotonic()
         return self._models
 
+    async def redis_full(self) -> bool:
+        """Whether Redis is out of memory (looked up at most every :data:`CACHE_S`): workers
+        cannot write heartbeats then, so quiet ones are not gone."""
+        if time.monotonic() - self._full_at > CACHE_S:
+            try:
+                info = await self.redis.info("memory")
+            except redis.ResponseError:  # an ACL without INFO: no verdict
+                info = {}
+            self._full, self._full_at = out_of_memory(info), time.monotonic()
+        return self._full
+
     async def require(self, model: str) -> None:
         """Raise unless a live worker serves ``model``: OpenAI's 404 ``model_not_found`` for a
         name no worker has served while others serve, a 503 (retried by OpenAI's clients) when
         no worker serves at all or this model's workers have all gone quiet."""
         models = await self.models()
+        if model not in models and await self.redis_full():
+            message = "redis is out of memory (maxmemory under noeviction): retry once it has room"
+            raise APIError(503, message, "api_error", "redis_full")
         if model not in models:
             served = ", ".join(sorted(models)) or "none"
             if models and model not in self._known:

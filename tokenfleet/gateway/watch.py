@@ -29,7 +29,8 @@ async def until_orphaned(fleet: Fleet, model: str) -> None:
     while True:
         await asyncio.sleep(POLL_S)
         try:
-            served = model in await fleet.models()
+            # a full Redis takes no heartbeats: quiet workers then are no sign of dead ones
+            served = model in await fleet.models() or await fleet.redis_full()
         except (RedisConnectionError, RedisTimeoutError):  # Redis away is no verdict on the workers
             continue
         if served:

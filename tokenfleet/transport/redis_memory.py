@@ -70,6 +70,19 @@ def read_memory_policy(client: Any) -> MemoryPolicy:
     return MemoryPolicy(policy, maxmemory)
 
 
+def out_of_memory(info: dict[str, Any]) -> bool:
+    """Whether Redis refuses writes now (``INFO memory``: used past ``maxmemory`` under
+    ``noeviction``; on a cluster, any primary). Workers' heartbeats cannot be written then, so a
+    stale one says nothing about the worker."""
+    nodes = list(info.values()) if info and all(isinstance(v, dict) for v in info.values()) else [info]
+    return any(
+        n.get("maxmemory_policy") == SAFE_POLICY
+        and 0 < int(n.get("maxmemory") or 0) <= int(n.get("used_memory") or 0)
+        for n in nodes
+        if n
+    )
+
+
 def check_memory_policy(
     client: Any, strict: bool, who: str, previous: MemoryPolicy | None = None
 ) -> MemoryPolicy:

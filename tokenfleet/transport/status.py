@@ -11,7 +11,7 @@ from typing import Any
 import redis
 
 from tokenfleet.protocol import AUTO_BUCKET, GROUP, LANES, Keys
-from tokenfleet.transport.redis_memory import read_memory_policy
+from tokenfleet.transport.redis_memory import out_of_memory, read_memory_policy
 from tokenfleet.transport.registry import heartbeats
 
 
@@ -68,6 +68,13 @@ def lane_queues(client: redis.Redis, keys: Keys) -> dict[str, dict[str, int]]:
     return totals
 
 
+def redis_memory(client: Any) -> dict[str, Any]:
+    """The eviction policy and whether Redis is refusing writes now (out of memory)."""
+    policy = read_memory_policy(client)
+    full = policy.policy is not None and out_of_memory(client.info("memory"))
+    return {**policy.as_dict(), "out_of_memory": full}
+
+
 def fleet_status(client: redis.Redis, keys: Keys, with_workers: bool = True) -> dict[str, Any]:
     """Live workers, each lane's per-bucket queues and the dead letters (``tokenfleet status --json``)."""
     now = time.time()
@@ -85,7 +92,7 @@ def fleet_status(client: redis.Redis, keys: Keys, with_workers: bool = True) -> 
     }
     return {
         "prefix": keys.prefix,
-        "redis": read_memory_policy(client).as_dict(),
+        "redis": redis_memory(client),
         "workers": workers,
         "queues": queues,
         "dead_letters": client.xlen(keys.dead_letter),
