@@ -3,6 +3,7 @@ gateway and `tokenfleet status`, and in the metrics. Each test starts its own re
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -14,6 +15,9 @@ from click.testing import CliRunner
 
 from tokenfleet.cli.fleet import format_status
 from tokenfleet.config import resolve_worker_config
+from tokenfleet.gateway import watch
+from tokenfleet.gateway.errors import APIError
+from tokenfleet.gateway.fleet import Fleet
 from tokenfleet.protocol import Keys
 from tokenfleet.transport.embedded import EmbeddedRedis
 from tokenfleet.transport.redis_memory import EvictingRedis, check_memory_policy, read_memory_policy
@@ -54,7 +58,12 @@ def test_the_online_profile_is_strict_and_the_default_is_not():
 def test_status_shows_an_evicting_redis(evicting, prefix):
     client = redis.Redis.from_url(evicting.url)
     report = fleet_status(client, Keys(prefix))
-    assert report["redis"] == {"maxmemory_policy": "allkeys-lru", "maxmemory": 200 << 20, "evicting": True}
+    assert report["redis"] == {
+        "maxmemory_policy": "allkeys-lru",
+        "maxmemory": 200 << 20,
+        "evicting": True,
+        "out_of_memory": False,  # an evicting Redis makes room instead
+    }
     assert "WARNING: redis maxmemory-policy is allkeys-lru" in format_status(report)
     client.config_set("maxmemory-policy", "noeviction")
     assert "WARNING" not in format_status(fleet_status(client, Keys(prefix)))
@@ -104,6 +113,43 @@ def test_the_gateway_refuses_when_strict_and_exports_the_policy(evicting, prefix
         assert "maxmemory-policy is allkeys-lru" in gateway.output()
     finally:
         gateway.stop()
+
+
+def test_a_full_redis_is_no_sign_that_the_workers_are_gone(prefix, monkeypatch):
+    """Out of memory, Redis takes no heartbeats: the gateway answers 503 ``redis_full`` (not
+    ``model_not_served``), keeps waiting on the requests it holds, and ``status`` warns; once there
+    is room a fleet with no worker is one again."""
+    monkeypatch.setattr(watch, "POLL_S", 0.1)
+    monkeypatch.setattr(watch, "GRACE_S", 0.5)
+
+    async def refusal(fleet: Fleet) -> tuple[int, str]:
+        with pytest.raises(APIError) as refused:
+            await fleet.require("m")
+        return refused.value.status, refused.value.code
+
+    async def drill(url: str, admin: redis.Redis) -> None:
+        conn = redis.asyncio.Redis.from_url(url)
+        assert await refusal(Fleet(conn, Keys(prefix))) == (503, "model_not_served")
+        admin.config_set("maxmemory", "1")  # every write refused from now on
+        full = Fleet(conn, Keys(prefix))
+        assert await refusal(full) == (503, "redis_full")
+        waiting = asyncio.ensure_future(watch.until_orphaned(full, "m"))
+        await asyncio.sleep(2.0)  # four grace periods: quiet workers, yet not orphaned
+        assert not waiting.done()
+        admin.config_set("maxmemory", "0")
+        await asyncio.wait_for(waiting, timeout=60)  # room again, and still no worker: orphaned
+        await conn.aclose()
+
+    with EmbeddedRedis(extra_args=("--maxmemory-policy", "noeviction")) as server:
+        admin = redis.Redis.from_url(server.url)
+        asyncio.run(drill(server.url, admin))
+        admin.config_set("maxmemory", "1")
+        report = fleet_status(admin, Keys(prefix))
+        assert report["redis"]["out_of_memory"] is True
+        assert "WARNING: redis is out of memory" in format_status(report)
+        admin.config_set("maxmemory", "0")
+        assert fleet_status(admin, Keys(prefix))["redis"]["out_of_memory"] is False
+        admin.close()
 
 
 def test_the_cli_help_explains_strict_redis():
