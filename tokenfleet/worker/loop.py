@@ -26,7 +26,7 @@ from tokenfleet.protocol import ErrorCode, Keys
 from tokenfleet.transport.cancels import CancelFeed
 from tokenfleet.transport.connection import BACKOFF_MAX_S, BACKOFF_START_S, connect_with_retry
 from tokenfleet.transport.intake import StreamReader, decode
-from tokenfleet.transport.outbox import Outbox
+from tokenfleet.transport.outbox import Outbox, is_out_of_memory
 from tokenfleet.transport.reclaim import Reclaimer
 from tokenfleet.transport.registry import Registry
 from tokenfleet.transport.round_trip import Received, RoundTrip
@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 IDLE_BLOCK_MS = 500  # longest blocking read, so that a stop request is noticed promptly
 FORMING_POLL_MS = 5  # while a batch waits for max_wait_ms: look for more requests this often
+OOM_RETRY_S = 0.5  # a full Redis answers at once: retrying often costs nothing, and resumes soonest
+OOM_MESSAGE = "redis is out of memory (maxmemory): holding %d requests, trying again every %.1fs"
 
 
 class Worker:
@@ -154,6 +156,11 @@ class Worker:
                 except (redis.ConnectionError, redis.TimeoutError) as e:
                     log.warning("redis unavailable (%s); retrying in %.1fs", e, backoff)
                 except redis.ResponseError as e:
+                    if is_out_of_memory(e):  # Redis answers but takes no write (even XREADGROUP)
+                        held = len(self.core.held())
+                        self._warn.log(logging.WARNING, "oom", OOM_MESSAGE, held, OOM_RETRY_S)
+                        self._stop.wait(OOM_RETRY_S)  # room may come any second: look again soon
+                        continue
                     # e.g. a request stream or its group deleted under us (NOGROUP): recreate them
                     log.warning("redis refused a command (%s); re-creating groups in %.1fs", e, backoff)
                     self.setup_done = False
