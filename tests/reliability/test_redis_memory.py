@@ -160,11 +160,13 @@ def test_the_cli_help_explains_strict_redis():
 
 
 @pytest.mark.timeout(300)
-def test_a_full_redis_refuses_new_requests_and_loses_none_it_accepted(engine, prefix, reference):
+def test_a_full_redis_refuses_new_requests_and_loses_none_it_accepted(engine, prefix, reference, tiny_model):
     """Redis reaches maxmemory (noeviction) while 24 requests stream: a new submit gets RedisFull
-    in one line, the worker keeps what it holds and publishes again once there is room, and every
-    accepted request ends whole and correct (nothing acknowledged that was not written)."""
+    in one line (the gateway's: 503 ``redis_full``), the worker keeps what it holds and publishes
+    again once there is room, and every accepted request ends whole and correct (nothing
+    acknowledged that was not written)."""
     from conftest import RunningWorker
+    from gateway_process import Gateway
 
     from tokenfleet.config import DynamicBatchingConfig
     from tokenfleet.errors import RedisFull
@@ -176,6 +178,8 @@ def test_a_full_redis_refuses_new_requests_and_loses_none_it_accepted(engine, pr
         admin = redis.Redis.from_url(server.url)
         with RunningWorker(engine, server.url, prefix, batching, claim_idle_ms=3000) as running:
             client = Client(server.url, prefix=prefix, buckets=[16, 64])
+            gateway = Gateway(server.url, prefix, tiny_model)
+            model = httpx.get(gateway.url + "/v1/models", timeout=10).json()["data"][0]["id"]
             handles = [
                 client.submit(input_ids=reference.ids(p), max_new_tokens=120, ignore_eos=True)
                 for p in prompts
@@ -187,6 +191,10 @@ def test_a_full_redis_refuses_new_requests_and_loses_none_it_accepted(engine, pr
             admin.config_set("maxmemory", str(used // 2))  # full: every write refused
             with pytest.raises(RedisFull, match="out of memory"):
                 client.submit(input_ids=reference.ids("one more"), max_new_tokens=4)
+            ask = {"model": model, "prompt": "one more", "max_tokens": 4}
+            refused = httpx.post(gateway.url + "/v1/completions", json=ask, timeout=60)
+            assert (refused.status_code, refused.json()["error"]["code"]) == (503, "redis_full")
+            gateway.stop()
             time.sleep(3.0)  # the worker meets OOM on its writes and backs off, holding its work
             assert running.thread.is_alive()
             admin.config_set("maxmemory", "0")  # room again

@@ -32,6 +32,7 @@ from tokenfleet.gateway.service import Service
 from tokenfleet.transport.connection import connect_server
 from tokenfleet.transport.redis_memory import RECHECK_S, read_memory_policy
 from tokenfleet.transport.status import lane_queues
+from tokenfleet.worker.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics", "/fleet/queues")  # probes, scrapers and autoscalers need no key
@@ -184,10 +185,13 @@ def _start_batch_jobs(config: GatewayConfig, stop: threading.Event) -> threading
         connection = connect_server(config.redis.url)
         queue = Queue(rq_queue(config.redis.prefix), connection=connection, serializer=JSONSerializer)
         worker = ThreadWorker([queue], connection=connection, serializer=JSONSerializer)
+        warn = RateLimitedLog(log)  # a full Redis fails every pass: one line per 10 s
         while not stop.is_set():
             try:  # one pass over what is queued, then a short wait: a stop is noticed within a second
                 worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
-            except Exception:  # Redis away: the loop retries; jobs resume by their request ids
+            except redis.RedisError as e:  # Redis away or full: one line, the loop retries
+                warn.log(logging.WARNING, "redis", "batch job runner: %s; retrying", e)
+            except Exception:  # a bug: the loop retries; jobs resume by their request ids
                 log.warning("batch job runner failed; retrying", exc_info=True)
             stop.wait(1.0)
 

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import OutOfMemoryError
 
 from tokenfleet.errors import ProtocolError, QueueFull, RedisFull, RequestFailed, ResultTimeout
 from tokenfleet.producer.openai_format import CLIENT_ERROR_CODES
@@ -40,6 +41,9 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+REDIS_FULL_MESSAGE = "redis is out of memory (maxmemory under noeviction): retry once it has room"
+
+
 def api_error(error: Exception) -> APIError:
     """What an exception from the client side of tokenfleet means to an HTTP caller."""
     if isinstance(error, APIError):
@@ -49,6 +53,8 @@ def api_error(error: Exception) -> APIError:
         return APIError(429, str(error), "rate_limit_error", "queue_full", headers=retry)
     if isinstance(error, RedisFull):  # retryable once Redis has room: 503, as OpenAI's overload
         return APIError(503, str(error), "api_error", "redis_full")
+    if isinstance(error, OutOfMemoryError):  # the gateway's own write (a record, a file) refused
+        return APIError(503, REDIS_FULL_MESSAGE, "api_error", "redis_full")
     if isinstance(error, RequestFailed):
         return reply_error(error.code, error.message)
     if isinstance(error, ResultTimeout):
@@ -81,6 +87,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(_: Request, error: APIError) -> JSONResponse:
         return error.response()
+
+    @app.exception_handler(OutOfMemoryError)
+    async def _redis_full(_: Request, error: OutOfMemoryError) -> JSONResponse:
+        return api_error(error).response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
