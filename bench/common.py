@@ -128,6 +128,11 @@ def worker_process(
         yield worker
     finally:
         worker.send_signal(signal.SIGTERM)
-        worker.wait(120)
+        try:
+            worker.wait(120)
+        except subprocess.TimeoutExpired:  # say so, but let the error that brought us here show
+            print("the worker did not stop within 120 s of SIGTERM: killed", file=sys.stderr)
+            worker.kill()
+            worker.wait()
         if log_path:
             log.close()

@@ -51,7 +51,7 @@ class Gateway:
             [sys.executable, "-m", "tokenfleet", "serve", "--port", port, "--model", model_dir],
             env=env,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stderr=open(os.environ.get("BENCH_GATEWAY_LOG", os.devnull), "a"),  # noqa: SIM115
         )
 
         def up() -> bool:

@@ -7,7 +7,7 @@ run as a test (tests/reliability holds the small versions); prints one JSON line
   (-9) and restarted empty. Each caller's outcome (``whole``: every token, ``lost``, another error
   code, ``short``: fewer tokens reported as complete, ``hang``: nothing by its timeout) and the
   seconds from the restart to it; then a new request through the client and the gateway.
-- ``full``: ``--running`` requests stream while Redis's ``maxmemory`` is set to what it uses;
+- ``full``: ``--streaming`` requests stream while Redis's ``maxmemory`` is set to half what it uses;
   submits meanwhile get ``redis_full``; after ``--full-s`` the limit is lifted and every accepted
   request must end ``done`` (whole) or with an error.
 - ``batch``: ``tokenfleet batch`` of ``--lines`` lines, Redis killed and restarted empty while it
@@ -20,6 +20,7 @@ run as a test (tests/reliability holds the small versions); prints one JSON line
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 from bench.common import code_commit, host_kind, model_or_built, worker_process
@@ -104,13 +106,26 @@ def refused_while_full(url: str, prefix: str, model_dir: str, api: Any) -> dict[
         except Exception as e:
             got["client"] = f"{type(e).__name__}: {e}"
     try:
-        api.completions.create(model=api.tokenfleet_model, prompt="refused", max_tokens=4)
+        api.with_options(timeout=30).completions.create(
+            model=api.tokenfleet_model, prompt="refused", max_tokens=4
+        )
         got["gateway"] = "accepted"
+    except openai.APITimeoutError:
+        got["gateway"] = "hang"
     except openai.APIStatusError as e:
         got["gateway"] = (
             f"{e.status_code} {(e.body or {}).get('code') if isinstance(e.body, dict) else e.body}"
         )
     return got
+
+
+@contextlib.contextmanager
+def room_after(admin: Any) -> Iterator[None]:
+    """Lift ``maxmemory`` on the way out, whatever failed: the worker's SIGTERM needs room."""
+    try:
+        yield
+    finally:
+        admin.config_set("maxmemory", 0)
 
 
 def full_drill(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
@@ -123,18 +138,19 @@ def full_drill(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     prefix = f"drill-full-{os.getpid()}"
     flags = ["--max-batch-size", str(args.streaming), "--max-wait-ms", "10"]
     timeout = args.full_s + 300
+    admin = redis.Redis.from_url(server.url)
     try:
-        with worker_process(server.url, prefix, model_dir, flags) as worker:
+        with worker_process(server.url, prefix, model_dir, flags) as worker, room_after(admin):
             gateway = Gateway(server.url, prefix, model_dir)
             api = openai_api(gateway, timeout)
-            admin = redis.Redis.from_url(server.url)
             futures, async_results, pool, client = start_callers(
                 server.url, prefix, model_dir, api, args.streaming // 4, args.new, "full", timeout
             )
             wait_for(
                 lambda: running(admin, prefix) >= args.streaming, 120, f"{args.streaming} requests running"
             )
-            admin.config_set("maxmemory", int(admin.info("memory")["used_memory"] * 0.95))
+            # half what it uses: full for the whole --full-s, whatever Redis frees meanwhile
+            admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) // 2)
             full_at = time.monotonic()
             time.sleep(1.0)
             refused = refused_while_full(server.url, prefix, model_dir, api)
@@ -142,12 +158,14 @@ def full_drill(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
             worker_alive = worker.poll() is None
             status_says_full = redis_memory(admin)["out_of_memory"]
             admin.config_set("maxmemory", 0)
+            room_at = time.monotonic()
             outcomes = [f.result() for f in futures] + async_results.result()
             pool.shutdown()
             client.close()
             result = {"drill": "full", "streaming": args.streaming, "full_s": args.full_s, "refused": refused}
             result.update(summarize(outcomes, full_at, timeout))
             result["ended_whole_or_error"] = all(o not in ("short", "hang") for _, o, _ in outcomes)
+            result["seconds_from_room_to_last_outcome"] = round(max(t for *_, t in outcomes) - room_at, 1)
             result["worker_alive_while_full"] = worker_alive
             result["status_says_out_of_memory"] = status_says_full
             result["served_after"] = served_after(server.url, prefix, model_dir, api)
@@ -188,6 +206,7 @@ def batch_drill(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
             return len(rows_of(output)) >= args.lines // 3
 
         wait_for(a_third, 600, "a third of the lines")
+        answered_at_kill = len(rows_of(output))
         server.proc.kill()  # type: ignore[union-attr]
         server.proc.wait()  # type: ignore[union-attr]
         time.sleep(1.0)
@@ -201,6 +220,7 @@ def batch_drill(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
         "lines": args.lines,
         "rc": rc,
         "rows": len(rows),
+        "answered_at_kill": answered_at_kill,
         "in_order": [r["index"] for r in rows] == list(range(len(rows))),
         "answered_whole": whole,
         "errors": dict(Counter(r["error"]["code"] for r in rows if "error" in r)),
