@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 IDLE_BLOCK_MS = 500  # longest blocking read, so that a stop request is noticed promptly
 FORMING_POLL_MS = 5  # while a batch waits for max_wait_ms: look for more requests this often
 OOM_RETRY_S = 0.5  # a full Redis answers at once: retrying often costs nothing, and resumes soonest
-OOM_MESSAGE = "redis is out of memory (maxmemory): holding %d requests, trying again every %.1fs"
+OOM_HELD = f"redis is out of memory (maxmemory): holding %d requests, trying again every {OOM_RETRY_S} s"
 
 
 class Worker:
@@ -155,13 +155,11 @@ class Worker:
                     continue
                 except (redis.ConnectionError, redis.TimeoutError) as e:
                     log.warning("redis unavailable (%s); retrying in %.1fs", e, backoff)
-                except redis.ResponseError as e:
+                except redis.ResponseError as e:  # Redis full, or a group deleted under us (NOGROUP)
                     if is_out_of_memory(e):  # Redis answers but takes no write (even XREADGROUP)
-                        held = len(self.core.held())
-                        self._warn.log(logging.WARNING, "oom", OOM_MESSAGE, held, OOM_RETRY_S)
+                        self._warn.log(logging.WARNING, "oom", OOM_HELD, len(self.core.held()))
                         self._stop.wait(OOM_RETRY_S)  # room may come any second: look again soon
                         continue
-                    # e.g. a request stream or its group deleted under us (NOGROUP): recreate them
                     log.warning("redis refused a command (%s); re-creating groups in %.1fs", e, backoff)
                     self.setup_done = False
                 except Exception:  # a bug must not stop the fleet's worker: log it, back off, go on
