@@ -252,3 +252,26 @@ def _until(check, timeout: float = 120.0) -> None:
     while not check():
         assert time.monotonic() < deadline
         time.sleep(0.02)
+
+
+def test_a_bulk_submit_waits_for_redis_to_come_back(prefix, redis_server_binary):
+    """A line submitted while Redis restarts waits for it (CI once lost a whole `tokenfleet batch`
+    to one submit in the restart's second), and a request already submitted is not sent twice."""
+    import threading
+
+    from tokenfleet.producer.bulk import Job, _submit
+
+    server = EmbeddedRedis(binary=redis_server_binary).start()
+    try:
+        client = Client(server.url, prefix=prefix, buckets=[16])
+        job = Job([("away-1", {"input_ids": [1, 2, 3], "max_new_tokens": 2})])
+        server.stop()
+        back = threading.Timer(1.5, server.start)
+        back.start()
+        assert _submit(client, job) is None  # waited, then submitted
+        back.join()
+        assert _submit(client, job) is None  # already on its reply stream: skipped
+        assert sum(client.redis.xlen(k) for k in client.redis.scan_iter(f"{{{prefix}}}:req:*")) == 1
+        client.close()
+    finally:
+        server.stop()

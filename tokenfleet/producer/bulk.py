@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import redis
 
 from tokenfleet.errors import ProtocolError, RequestFailed
 from tokenfleet.producer.openai_format import Completion
@@ -27,6 +30,7 @@ from tokenfleet.protocol import ErrorCode
 
 DEFAULT_WINDOW = 64
 LOST_RETRIES = 3  # times a line whose request Redis lost is submitted again
+REDIS_AWAY_S = 120.0  # a submit waits this long for an unreachable Redis before the job fails
 BULK_LANE = "batch"  # bulk jobs queue behind interactive traffic unless their lines say otherwise
 
 
@@ -141,6 +145,19 @@ def run_windowed(
 
 
 def _submit(client: Any, job: Job) -> RequestFailed | None:
+    """:func:`_submit_once`, again while Redis is away (it skips what is already submitted)."""
+    deadline, pause = time.monotonic() + REDIS_AWAY_S, 0.1
+    while True:
+        try:
+            return _submit_once(client, job)
+        except (redis.ConnectionError, redis.TimeoutError):
+            if time.monotonic() + pause > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 5.0)
+
+
+def _submit_once(client: Any, job: Job) -> RequestFailed | None:
     """Submit a line's requests (those not yet on a reply stream); a line the client refuses
     (a field out of range, say) fails alone: what it already submitted is cancelled."""
     name = job.requests[0][0] if job.requests else str(job.custom_id)
