@@ -13,6 +13,7 @@ from redis.exceptions import OutOfMemoryError
 
 from tokenfleet.errors import ProtocolError, QueueFull, RedisFull, RequestFailed, ResultTimeout
 from tokenfleet.producer.openai_format import CLIENT_ERROR_CODES
+from tokenfleet.producer.routing import queue_full_error
 from tokenfleet.protocol import ErrorCode
 
 QUEUE_FULL_RETRY_AFTER_S = 1
@@ -41,9 +42,6 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-REDIS_FULL_MESSAGE = "redis is out of memory (maxmemory under noeviction): retry once it has room"
-
-
 def api_error(error: Exception) -> APIError:
     """What an exception from the client side of tokenfleet means to an HTTP caller."""
     if isinstance(error, APIError):
@@ -54,7 +52,7 @@ def api_error(error: Exception) -> APIError:
     if isinstance(error, RedisFull):  # retryable once Redis has room: 503, as OpenAI's overload
         return APIError(503, str(error), "api_error", "redis_full")
     if isinstance(error, OutOfMemoryError):  # the gateway's own write (a record, a file) refused
-        return APIError(503, REDIS_FULL_MESSAGE, "api_error", "redis_full")
+        return api_error(queue_full_error(error) or RedisFull(str(error)))
     if isinstance(error, RequestFailed):
         return reply_error(error.code, error.message)
     if isinstance(error, ResultTimeout):

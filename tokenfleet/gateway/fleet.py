@@ -6,9 +6,10 @@ import time
 from typing import Any
 
 import redis
+from redis.exceptions import OutOfMemoryError
 
 from tokenfleet import protocol
-from tokenfleet.gateway.errors import REDIS_FULL_MESSAGE, APIError
+from tokenfleet.gateway.errors import APIError, api_error
 from tokenfleet.protocol import Keys
 from tokenfleet.transport.redis_memory import out_of_memory
 from tokenfleet.transport.registry import STALE_AFTER_S
@@ -60,7 +61,7 @@ class Fleet:
         no worker serves at all or this model's workers have all gone quiet."""
         models = await self.models()
         if model not in models and await self.redis_full():
-            raise APIError(503, REDIS_FULL_MESSAGE, "api_error", "redis_full")
+            raise api_error(OutOfMemoryError())
         if model not in models:
             served = ", ".join(sorted(models)) or "none"
             if models and model not in self._known:
