@@ -1,4 +1,4 @@
-"""The layout's rules (README "Layout"): who may import what, no import cycles, where the environment
+"""The layout's rules (docs/LAYOUT.md): who may import what, no import cycles, where the environment
 is read, module size, and a step's results passed as values rather than left on objects."""
 
 import ast
