@@ -7,8 +7,12 @@ Each round runs the constrained burst (all 32 at once, continuous batching, gree
 same prompts unconstrained, each held to the length its constrained twin reached (EOS ignored):
 both sides generate the same number of tokens in batches of the same shape, so the ratio of
 their tokens/s is the grammar's cost alone (mask fill, its overlap with the forward, applying
-it). Also the mask fill time per constrained sequence per step (p50 / p99, from the engine's
-own record). Prints one JSON line per round and a summary line with the host. Never a test.
+it). The masks' own cost: each constrained sequence's steps replayed afterwards on one thread,
+timing each mask (µs per sequence per step, p50 / p99: the CPU work, as llguidance reports its
+speed). In the engine, from its own record: the fill's wall time per sequence per step (the fill
+overlaps the forward, so on a small host it waits for cores) and how long each step waited for
+its masks after the forward (what they cost the step). Prints one JSON line per round and a
+summary line with the host. Never a test.
 """
 
 from __future__ import annotations
@@ -35,13 +39,15 @@ SCHEMA = {
 TOPICS = ["a painter", "a sailor", "a baker", "a pilot", "a nurse", "a farmer", "a poet", "a coder"]
 
 
-def burst(runner, batching, requests) -> tuple[list[int], float]:
-    """Serve ``requests`` at once; each one's generated token count and the wall time."""
+def burst(runner, batching, grammars, requests) -> tuple[list[list[int]], float]:
+    """Serve ``requests`` at once on a core of their own (no prefix cache from the last burst) with
+    ``grammars``, the compiled grammars a worker keeps for life; their tokens and the wall time."""
     from tokenfleet.core.offline import run_offline
     from tokenfleet.core.sequence import SeqState
     from tokenfleet.engines.native.core import NativeCore
 
     core = NativeCore(runner, batching)
+    core.grammars = grammars
     seqs = []
     for i, request in enumerate(requests):
         matcher = core.output_constraint(request)
@@ -52,7 +58,26 @@ def burst(runner, batching, requests) -> tuple[list[int], float]:
         )
     start = time.perf_counter()
     run_offline(core, [(0.0, seq) for seq in seqs])
-    return [len(seq.generated) for seq in seqs], time.perf_counter() - start
+    return [list(seq.generated) for seq in seqs], time.perf_counter() - start
+
+
+def replay_mask_us(runner, grammars, requests, outputs) -> list[float]:
+    """Each request's masks computed again, step by step along its output, on this thread alone:
+    the microseconds of each."""
+    from llguidance.torch import allocate_token_bitmask
+
+    bits = allocate_token_bitmask(1, runner.vocab_size)
+    row_bytes = bits.shape[1] * bits.element_size()
+    times = []
+    for request, tokens in zip(requests, outputs):
+        matcher = grammars.matcher(request.response_format)
+        for token in tokens:
+            began = time.perf_counter()
+            matcher.unsafe_compute_mask_ptr(bits.data_ptr(), row_bytes)
+            times.append((time.perf_counter() - began) * 1e6)
+            if not matcher.consume_token(token):
+                break
+    return times
 
 
 def main() -> None:
@@ -65,6 +90,7 @@ def main() -> None:
 
     from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
     from tokenfleet.core.vocab import render_chat
+    from tokenfleet.engines.native.core import NativeCore
     from tokenfleet.engines.native.runner import ModelRunner
     from tokenfleet.protocol import Request
     from tokenfleet.protocol.output_controls import parse_response_format
@@ -89,18 +115,24 @@ def main() -> None:
         Request(id=f"c{i}", input_ids=tuple(ids), max_new_tokens=200, response_format=fmt)
         for i, ids in enumerate(prompts)
     ]
-    burst(runner, batching, constrained[:2])  # compiles the schema and llguidance's tokenizer once
+    grammars = NativeCore(runner, batching).grammars
+    burst(runner, batching, grammars, constrained[:2])  # compiles the schema and llguidance's tokenizer once
     rounds = []
     for n in range(args.rounds):
-        runner.grammar_masks.fill_s.clear()
-        lengths, constrained_s = burst(runner, batching, constrained)
-        mask_us = [s * 1e6 for s in runner.grammar_masks.fill_s]
+        masks = runner.grammar_masks
+        masks.fill_s.clear()
+        masks.wait_s.clear()
+        outputs, constrained_s = burst(runner, batching, grammars, constrained)
+        lengths = [len(tokens) for tokens in outputs]
+        fill_us = [s * 1e6 for s in masks.fill_s]
+        wait_us = [s * 1e6 for s in masks.wait_s]
         twins = [
             Request(id=f"u{i}", input_ids=tuple(ids), max_new_tokens=length, ignore_eos=True)
             for i, (ids, length) in enumerate(zip(prompts, lengths))
         ]
-        twin_lengths, plain_s = burst(runner, batching, twins)
-        assert twin_lengths == lengths
+        twin_outputs, plain_s = burst(runner, batching, grammars, twins)
+        assert [len(tokens) for tokens in twin_outputs] == lengths
+        mask_us = replay_mask_us(runner, grammars, constrained, outputs)
         tokens = sum(lengths)
         row = {
             "round": n,
@@ -110,6 +142,10 @@ def main() -> None:
             "ratio": round(plain_s / constrained_s, 3),
             "mask_us_per_seq_p50": round(percentile(mask_us, 50) or 0, 1),
             "mask_us_per_seq_p99": round(percentile(mask_us, 99) or 0, 1),
+            "mask_us_per_seq_mean": round(statistics.fmean(mask_us), 1),
+            "in_engine_fill_wall_us_per_seq_p50": round(percentile(fill_us, 50) or 0, 1),
+            "in_engine_wait_us_per_step_p50": round(percentile(wait_us, 50) or 0, 1),
+            "in_engine_wait_us_per_step_p99": round(percentile(wait_us, 99) or 0, 1),
         }
         rounds.append(row)
         print(json.dumps(row), flush=True)
@@ -121,8 +157,11 @@ def main() -> None:
         "requests": args.requests,
         "commit": code_commit(),
         "ratio_median": statistics.median(r["ratio"] for r in rounds),
-        "mask_us_per_seq_p50_median": statistics.median(r["mask_us_per_seq_p50"] for r in rounds),
-        "mask_us_per_seq_p99_median": statistics.median(r["mask_us_per_seq_p99"] for r in rounds),
+        **{
+            f"{key}_median": statistics.median(r[key] for r in rounds)
+            for key in rounds[0]
+            if key.startswith(("mask_", "in_engine_"))
+        },
     }
     print(json.dumps(summary), flush=True)
 

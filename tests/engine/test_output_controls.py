@@ -207,3 +207,16 @@ def test_object_schemas_that_list_their_properties_take_no_others():
     assert inner["list"]["items"]["additionalProperties"] is False
     assert closed["$defs"]["Inner"]["anyOf"][0]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the caller's schema is left as it was
+
+
+@pytest.mark.parametrize("vocab", [64, 70, 100])
+def test_grammar_masks_unpack_bit_for_bit_and_forbid_tokens_past_the_bitmask(vocab):
+    from tokenfleet.engines.native.grammar_masks import RowMasks
+
+    bits = torch.randint(-(2**31), 2**31 - 1, (3, 3), dtype=torch.int32)  # 96 tokens' bits
+    blocked = RowMasks([0, 1, 2], bits, 0.0).blocked(vocab)
+    expected = [
+        [not (int(bits[r, t // 32]) >> (t % 32)) & 1 if t < 96 else True for t in range(vocab)]
+        for r in range(3)
+    ]
+    assert blocked.tolist() == expected

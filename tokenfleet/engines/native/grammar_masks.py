@@ -24,13 +24,15 @@ class RowMasks:
     bits: torch.Tensor
     fill_s: float
 
-    def allowed(self, vocab: int) -> torch.Tensor:
-        """The masks as booleans ``[len(rows), vocab]``; tokens beyond the bitmask are disallowed."""
-        shifts = torch.arange(32, dtype=torch.int32)
-        bools = ((self.bits[:, :, None] >> shifts) & 1).bool().flatten(1)
-        if bools.shape[1] < vocab:
-            bools = torch.nn.functional.pad(bools, (0, vocab - bools.shape[1]), value=False)
-        return bools[:, :vocab]
+    def blocked(self, vocab: int) -> torch.Tensor:
+        """Where the masks forbid a token, as booleans ``[len(rows), vocab]``; tokens beyond the
+        bitmask are forbidden. Unpacked byte by byte: a quarter of the memory of int32 shifts."""
+        octets = self.bits.view(torch.uint8)  # little-endian: token 8*i + j is bit j of byte i
+        shifts = torch.arange(8, dtype=torch.uint8)
+        blocked = ((octets[:, :, None] >> shifts) & 1).flatten(1) == 0
+        if blocked.shape[1] < vocab:
+            blocked = torch.nn.functional.pad(blocked, (0, vocab - blocked.shape[1]), value=True)
+        return blocked[:, :vocab]
 
 
 PendingMasks = Future[RowMasks]
@@ -44,8 +46,10 @@ class GrammarMasks:
         self.vocab_size = vocab_size
         self._executor: Any = None  # llguidance's parallel executor, made on first use
         self._thread: ThreadPoolExecutor | None = None
-        # seconds per constrained row of each step's mask fill, newest last (benchmarks read it)
+        # newest last, for benchmarks: each step's fill in wall seconds per constrained row, and the
+        # seconds the step waited for its masks after its forward pass (what the masks cost it)
         self.fill_s: deque[float] = deque(maxlen=4096)
+        self.wait_s: deque[float] = deque(maxlen=4096)
 
     def start(self, seqs: list[SeqState]) -> PendingMasks | None:
         """Begin filling the masks of the rows of ``seqs`` that have a grammar; None when none has."""
@@ -64,7 +68,9 @@ class GrammarMasks:
         """The masks :meth:`start` began (waiting for them if need be)."""
         if pending is None:
             return None
+        began = time.perf_counter()
         masks = pending.result()
+        self.wait_s.append(time.perf_counter() - began)
         self.fill_s.append(masks.fill_s / len(masks.rows))
         return masks
 

@@ -40,18 +40,24 @@ def process_logits(logits: torch.Tensor, seqs: Sequence[SeqState], masks: RowMas
     rows = [i for i, seq in enumerate(seqs) if seq.request.processes_logits]
     if not rows:
         return []
+    whole = len(rows) == len(seqs)  # the usual constrained burst: work on the logits themselves
     index = torch.tensor(rows)
-    sub = logits.index_select(0, index)
+    sub = logits if whole else logits.index_select(0, index)
     picked = [seqs[i] for i in rows]
     _bias(sub, picked)
     _hold_back_ends(sub, picked)
     _penalise(sub, picked)
     if masks is not None:
         where = {row: k for k, row in enumerate(rows)}
-        at = torch.tensor([where[row] for row in masks.rows])
-        allowed = masks.allowed(sub.shape[1])
-        sub[at] = sub[at].masked_fill(~allowed, float("-inf"))
-    logits.index_copy_(0, index, sub)
+        at = [where[row] for row in masks.rows]
+        blocked = masks.blocked(sub.shape[1])
+        if at == list(range(len(rows))):  # every row here is constrained: mask in place, no copies
+            sub.masked_fill_(blocked, float("-inf"))
+        else:
+            index = torch.tensor(at)
+            sub.index_copy_(0, index, sub.index_select(0, index).masked_fill_(blocked, float("-inf")))
+    if not whole:
+        logits.index_copy_(0, index, sub)
     dead = torch.isneginf(sub.max(dim=-1).values).tolist() if masks is not None else []
     return [row for row, none_left in zip(rows, dead) if none_left]
 
