@@ -7,12 +7,12 @@ Each round runs the constrained burst (all 32 at once, continuous batching, gree
 same prompts unconstrained, each held to the length its constrained twin reached (EOS ignored):
 both sides generate the same number of tokens in batches of the same shape, so the ratio of
 their tokens/s is the grammar's cost alone (mask fill, its overlap with the forward, applying
-it). The masks' own cost: each constrained sequence's steps replayed afterwards on one thread,
-timing each mask (µs per sequence per step, p50 / p99: the CPU work, as llguidance reports its
-speed). In the engine, from its own record: the fill's wall time per sequence per step (the fill
-overlaps the forward, so on a small host it waits for cores) and how long each step waited for
-its masks after the forward (what they cost the step). Prints one JSON line per round and a
-summary line with the host. Never a test.
+it). The masks' own cost, replayed along the constrained outputs with nothing else running: per
+sequence per step as the engine fills them (all live rows in one llguidance call), and each mask
+alone on one thread (the CPU work, as llguidance reports its speed). In the engine, from its own
+record: the fill's wall time per sequence per step (it overlaps the forward, so on a small host
+it waits for cores) and how long each step waited for its masks after its forward (what they
+cost the step). Prints one JSON line per round and a summary line with the host. Never a test.
 """
 
 from __future__ import annotations
@@ -61,23 +61,36 @@ def burst(runner, batching, grammars, requests) -> tuple[list[list[int]], float]
     return [list(seq.generated) for seq in seqs], time.perf_counter() - start
 
 
-def replay_mask_us(runner, grammars, requests, outputs) -> list[float]:
-    """Each request's masks computed again, step by step along its output, on this thread alone:
-    the microseconds of each."""
-    from llguidance.torch import allocate_token_bitmask
+def replay_masks(runner, grammars, requests, outputs) -> tuple[list[float], list[float]]:
+    """The constrained burst's masks computed again along its outputs, with nothing else running:
+    step by step as the engine fills them (llguidance's executor, all live rows in one call), the
+    microseconds per sequence of each step's fill; then each mask alone, the microseconds of each."""
+    import llguidance
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
 
-    bits = allocate_token_bitmask(1, runner.vocab_size)
-    row_bytes = bits.shape[1] * bits.element_size()
-    times = []
+    executor = llguidance.LLExecutor()
+    matchers = [grammars.matcher(request.response_format) for request in requests]
+    per_step = []
+    for step in range(max(len(tokens) for tokens in outputs)):
+        live = [i for i, tokens in enumerate(outputs) if step < len(tokens)]
+        bits = allocate_token_bitmask(len(live), runner.vocab_size)
+        began = time.perf_counter()
+        fill_next_token_bitmask_par(executor, [(matchers[i], k) for k, i in enumerate(live)], bits)
+        per_step.append((time.perf_counter() - began) / len(live) * 1e6)
+        for i in live:
+            matchers[i].consume_token(outputs[i][step])
+    one = allocate_token_bitmask(1, runner.vocab_size)
+    row_bytes = one.shape[1] * one.element_size()
+    per_mask = []
     for request, tokens in zip(requests, outputs):
         matcher = grammars.matcher(request.response_format)
         for token in tokens:
             began = time.perf_counter()
-            matcher.unsafe_compute_mask_ptr(bits.data_ptr(), row_bytes)
-            times.append((time.perf_counter() - began) * 1e6)
+            matcher.unsafe_compute_mask_ptr(one.data_ptr(), row_bytes)
+            per_mask.append((time.perf_counter() - began) * 1e6)
             if not matcher.consume_token(token):
                 break
-    return times
+    return per_step, per_mask
 
 
 def main() -> None:
@@ -132,7 +145,7 @@ def main() -> None:
         ]
         twin_outputs, plain_s = burst(runner, batching, grammars, twins)
         assert [len(tokens) for tokens in twin_outputs] == lengths
-        mask_us = replay_mask_us(runner, grammars, constrained, outputs)
+        step_us, mask_us = replay_masks(runner, grammars, constrained, outputs)
         tokens = sum(lengths)
         row = {
             "round": n,
@@ -140,9 +153,11 @@ def main() -> None:
             "constrained_tok_s": round(tokens / constrained_s, 1),
             "unconstrained_tok_s": round(tokens / plain_s, 1),
             "ratio": round(plain_s / constrained_s, 3),
-            "mask_us_per_seq_p50": round(percentile(mask_us, 50) or 0, 1),
-            "mask_us_per_seq_p99": round(percentile(mask_us, 99) or 0, 1),
-            "mask_us_per_seq_mean": round(statistics.fmean(mask_us), 1),
+            "mask_us_per_seq_per_step_p50": round(percentile(step_us, 50) or 0, 1),
+            "mask_us_per_seq_per_step_p99": round(percentile(step_us, 99) or 0, 1),
+            "one_mask_us_p50": round(percentile(mask_us, 50) or 0, 1),
+            "one_mask_us_p99": round(percentile(mask_us, 99) or 0, 1),
+            "one_mask_us_mean": round(statistics.fmean(mask_us), 1),
             "in_engine_fill_wall_us_per_seq_p50": round(percentile(fill_us, 50) or 0, 1),
             "in_engine_wait_us_per_step_p50": round(percentile(wait_us, 50) or 0, 1),
             "in_engine_wait_us_per_step_p99": round(percentile(wait_us, 99) or 0, 1),
@@ -160,7 +175,7 @@ def main() -> None:
         **{
             f"{key}_median": statistics.median(r[key] for r in rounds)
             for key in rounds[0]
-            if key.startswith(("mask_", "in_engine_"))
+            if key.startswith(("mask_", "one_mask_", "in_engine_"))
         },
     }
     print(json.dumps(summary), flush=True)
