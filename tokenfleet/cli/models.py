@@ -18,12 +18,13 @@ def model() -> None:
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option(
     "--size",
-    type=click.Choice(["tiny", "small", "qwen2-like", "wide"]),
+    type=click.Choice(["tiny", "small", "qwen2-like", "wide", "qwen2.5-0.5b", "qwen2.5-1.5b", "llama3.2-1b"]),
     default="tiny",
     show_default=True,
     help="tiny: ~3M parameters (tests, demo); small: ~113M, hidden 768, 12 layers (benchmarks); "
     "qwen2-like: Qwen2's layout (q/k/v biases, head_dim 128, 152k tied vocabulary), 8 layers; "
-    "wide: hidden 2048, head_dim 128, 4 layers (benchmark shapes).",
+    "wide: hidden 2048, head_dim 128, 4 layers; qwen2.5-0.5b, qwen2.5-1.5b, llama3.2-1b: those "
+    "models' published shapes (benchmarks of the sizes users run on CPU).",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--force", is_flag=True, help="Write into DIRECTORY even if it is not empty.")
@@ -70,4 +71,4 @@ def model_list() -> None:
         where = f"  (cached: {', '.join(cached)})" if cached else ""
         click.echo(f"get   {spec.name:<8} {spec.description}{where}")
     for size in SIZES:
-        click.echo(f"init  {size:<8} random weights, byte-level tokenizer (tests and benchmarks)")
+        click.echo(f"init  {size:<12} random weights, byte-level tokenizer (tests and benchmarks)")

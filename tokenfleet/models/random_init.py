@@ -50,6 +50,38 @@ SIZES: dict[str, dict[str, Any]] = {
         num_key_value_heads=4,
         vocab_size=32_000,
     ),
+    # The shapes users run on CPU workers (issue 51's benchmarks): the published configurations of
+    # Qwen2.5-0.5B / -1.5B and Llama-3.2-1B, with random weights and a byte-level tokenizer.
+    "qwen2.5-0.5b": dict(
+        architecture="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151_936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        architecture="qwen2",
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151_936,
+        tie_word_embeddings=True,
+    ),
+    "llama3.2-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128_256,
+        tie_word_embeddings=True,
+        rope_theta=500_000.0,
+    ),
 }
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
