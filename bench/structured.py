@@ -93,6 +93,11 @@ def replay_masks(runner, grammars, requests, outputs) -> tuple[list[float], list
     return per_step, per_mask
 
 
+def percentiles(name: str, values: list[float], *ps: int) -> dict[str, float]:
+    """``{name_pP: value}`` for each P, to 0.1."""
+    return {f"{name}_p{p}": round(percentile(values, p) or 0, 1) for p in ps}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model directory (default: a random small model)")
@@ -153,14 +158,11 @@ def main() -> None:
             "constrained_tok_s": round(tokens / constrained_s, 1),
             "unconstrained_tok_s": round(tokens / plain_s, 1),
             "ratio": round(plain_s / constrained_s, 3),
-            "mask_us_per_seq_per_step_p50": round(percentile(step_us, 50) or 0, 1),
-            "mask_us_per_seq_per_step_p99": round(percentile(step_us, 99) or 0, 1),
-            "one_mask_us_p50": round(percentile(mask_us, 50) or 0, 1),
-            "one_mask_us_p99": round(percentile(mask_us, 99) or 0, 1),
+            **percentiles("mask_us_per_seq_per_step", step_us, 50, 99),
+            **percentiles("one_mask_us", mask_us, 50, 99),
             "one_mask_us_mean": round(statistics.fmean(mask_us), 1),
-            "in_engine_fill_wall_us_per_seq_p50": round(percentile(fill_us, 50) or 0, 1),
-            "in_engine_wait_us_per_step_p50": round(percentile(wait_us, 50) or 0, 1),
-            "in_engine_wait_us_per_step_p99": round(percentile(wait_us, 99) or 0, 1),
+            **percentiles("in_engine_fill_wall_us_per_seq", fill_us, 50),
+            **percentiles("in_engine_wait_us_per_step", wait_us, 50, 99),
         }
         rounds.append(row)
         print(json.dumps(row), flush=True)

@@ -220,3 +220,33 @@ def test_grammar_masks_unpack_bit_for_bit_and_forbid_tokens_past_the_bitmask(voc
         for r in range(3)
     ]
     assert blocked.tolist() == expected
+
+
+def test_a_plain_row_a_biased_row_and_a_constrained_row_are_each_processed_alone(engine):
+    from tokenfleet.engines.native.grammar_masks import RowMasks
+    from tokenfleet.protocol.output_controls import parse_response_format
+
+    torch.manual_seed(0)
+    vocab = engine.vocab_size
+    logits = torch.randn(3, vocab)
+    rows = [
+        seq_of(engine, 0, [5, 9], max_new_tokens=8),
+        seq_of(engine, 1, [5, 9], logit_bias=((3, 2.5),), max_new_tokens=8),
+        seq_of(
+            engine,
+            2,
+            [5, 9],
+            response_format=parse_response_format({"type": "json_object"}),
+            max_new_tokens=8,
+        ),
+    ]
+    bits = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
+    bits[0, 0] = (1 << 5) | (1 << 6)  # the grammar allows tokens 5 and 6 only
+    ours = logits.clone()
+    assert process_logits(ours, rows, RowMasks([2], bits, 0.0)) == []
+    assert torch.equal(ours[0], logits[0])
+    biased = logits[1].clone()
+    biased[3] += 2.5
+    assert torch.equal(ours[1], biased)
+    assert torch.isfinite(ours[2]).nonzero().flatten().tolist() == [5, 6]
+    assert torch.equal(ours[2, 5:7], logits[2, 5:7])

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from tokenfleet.cli.common import fail, require_engine
+from tokenfleet.models.random_init import SIZES  # a table: no torch until a model is built
 
 
 @click.group()
@@ -18,7 +19,7 @@ def model() -> None:
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option(
     "--size",
-    type=click.Choice(["tiny", "small", "qwen2-like", "wide", "qwen2.5-0.5b", "qwen2.5-1.5b", "llama3.2-1b"]),
+    type=click.Choice(list(SIZES)),
     default="tiny",
     show_default=True,
     help="tiny: ~3M parameters (tests, demo); small: ~113M, hidden 768, 12 layers (benchmarks); "
@@ -29,8 +30,8 @@ def model() -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--force", is_flag=True, help="Write into DIRECTORY even if it is not empty.")
 def model_init(directory: str, size: str, seed: int, force: bool) -> None:
-    """Write a Llama-architecture model with random weights and a byte-level tokenizer to DIRECTORY,
-    loadable with from_pretrained(DIRECTORY)."""
+    """Write a model with random weights (Llama, or Qwen2 for the qwen sizes) and a byte-level
+    tokenizer to DIRECTORY, loadable with from_pretrained(DIRECTORY)."""
     require_engine("model init")
     from tokenfleet.models import init_model
 
@@ -63,7 +64,6 @@ def model_get(name: str, directory: str | None, dtype: str) -> None:
 def model_list() -> None:
     """Real models `tokenfleet model get` fetches (marked when cached here), and the random-weight
     sizes `tokenfleet model init` builds."""
-    from tokenfleet.models import SIZES
     from tokenfleet.models.catalog import DTYPES, MODELS, cached_path, is_ready
 
     for spec in MODELS.values():

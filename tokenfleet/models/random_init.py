@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+# Qwen2's layout: q/k/v biases and a 152k vocabulary tied to the embedding
+QWEN2 = dict(architecture="qwen2", vocab_size=151_936, tie_word_embeddings=True)
 SIZES: dict[str, dict[str, Any]] = {
     # a few M parameters: fast enough for tests on 2 CPU cores; 2 KV heads exercise GQA
     "tiny": dict(
@@ -32,14 +34,12 @@ SIZES: dict[str, dict[str, Any]] = {
     # for (benchmarks; random weights measure speed, not text). Qwen2-style: q/k/v biases,
     # head_dim 128, 4 query heads per KV head, a 152k vocabulary tied to the embedding.
     "qwen2-like": dict(
-        architecture="qwen2",
         hidden_size=1024,
         intermediate_size=2816,
         num_hidden_layers=8,
         num_attention_heads=8,
         num_key_value_heads=2,
-        vocab_size=151_936,
-        tie_word_embeddings=True,
+        **QWEN2,
     ),
     # a wider Llama: hidden 2048, head_dim 128, few layers
     "wide": dict(
@@ -53,24 +53,20 @@ SIZES: dict[str, dict[str, Any]] = {
     # The shapes users run on CPU workers (issue 51's benchmarks): the published configurations of
     # Qwen2.5-0.5B / -1.5B and Llama-3.2-1B, with random weights and a byte-level tokenizer.
     "qwen2.5-0.5b": dict(
-        architecture="qwen2",
         hidden_size=896,
         intermediate_size=4864,
         num_hidden_layers=24,
         num_attention_heads=14,
         num_key_value_heads=2,
-        vocab_size=151_936,
-        tie_word_embeddings=True,
+        **QWEN2,
     ),
     "qwen2.5-1.5b": dict(
-        architecture="qwen2",
         hidden_size=1536,
         intermediate_size=8960,
         num_hidden_layers=28,
         num_attention_heads=12,
         num_key_value_heads=2,
-        vocab_size=151_936,
-        tie_word_embeddings=True,
+        **QWEN2,
     ),
     "llama3.2-1b": dict(
         hidden_size=2048,

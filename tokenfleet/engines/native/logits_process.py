@@ -41,25 +41,29 @@ def process_logits(logits: torch.Tensor, seqs: Sequence[SeqState], masks: RowMas
     if not rows:
         return []
     whole = len(rows) == len(seqs)  # the usual constrained burst: work on the logits themselves
-    index = torch.tensor(rows)
-    sub = logits if whole else logits.index_select(0, index)
+    sub = logits if whole else logits.index_select(0, torch.tensor(rows))
     picked = [seqs[i] for i in rows]
     _bias(sub, picked)
     _hold_back_ends(sub, picked)
     _penalise(sub, picked)
     if masks is not None:
-        where = {row: k for k, row in enumerate(rows)}
-        at = [where[row] for row in masks.rows]
-        blocked = masks.blocked(sub.shape[1])
-        if at == list(range(len(rows))):  # every row here is constrained: mask in place, no copies
-            sub.masked_fill_(blocked, float("-inf"))
-        else:
-            index = torch.tensor(at)
-            sub.index_copy_(0, index, sub.index_select(0, index).masked_fill_(blocked, float("-inf")))
+        _forbid(sub, rows, masks)
     if not whole:
-        logits.index_copy_(0, index, sub)
+        logits.index_copy_(0, torch.tensor(rows), sub)
     dead = torch.isneginf(sub.max(dim=-1).values).tolist() if masks is not None else []
     return [row for row, none_left in zip(rows, dead) if none_left]
+
+
+def _forbid(sub: torch.Tensor, rows: list[int], masks: RowMasks) -> None:
+    """-inf wherever a constrained row's grammar forbids the token (``sub``'s rows are ``rows``)."""
+    where = {row: k for k, row in enumerate(rows)}
+    at = [where[row] for row in masks.rows]
+    blocked = masks.blocked(sub.shape[1])
+    if at == list(range(len(rows))):  # every row here is constrained: in place, no copies
+        sub.masked_fill_(blocked, float("-inf"))
+        return
+    constrained = torch.tensor(at)
+    sub.index_copy_(0, constrained, sub.index_select(0, constrained).masked_fill_(blocked, float("-inf")))
 
 
 def _bias(sub: torch.Tensor, seqs: list[SeqState]) -> None:
