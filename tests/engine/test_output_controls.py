@@ -1,6 +1,7 @@
 """Logprobs, penalties, ``logit_bias`` and ``min_tokens`` in the native engine, against Hugging
 Face's own logits processors and ``log_softmax`` of its float32 logits on the same inputs."""
 
+import statistics
 import time
 
 import pytest
@@ -250,3 +251,73 @@ def test_a_plain_row_a_biased_row_and_a_constrained_row_are_each_processed_alone
     assert torch.equal(ours[1], biased)
     assert torch.isfinite(ours[2]).nonzero().flatten().tolist() == [5, 6]
     assert torch.equal(ours[2, 5:7], logits[2, 5:7])
+
+
+def test_grammar_masks_first_where_the_draw_needs_them_and_after_a_refused_draw(engine):
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+    from tokenfleet.engines.native.grammar_masks import GrammarMasks
+    from tokenfleet.protocol.output_controls import parse_response_format
+
+    cfg = DynamicBatchingConfig(max_wait_ms=0, max_batch_size=8, max_seq_len=256, buckets=(32,))
+    grammars = NativeCore(engine, cfg).grammars
+    free = parse_response_format({"type": "regex", "regex": "(yes|no)!"})
+    forced = parse_response_format({"type": "regex", "regex": "maybe (yes|no)!"})
+    seqs = [
+        seq_of(engine, 0, [5, 9], max_new_tokens=8),  # unconstrained
+        seq_of(engine, 1, [5, 9], response_format=free, max_new_tokens=8),  # greedy: checked after
+        seq_of(engine, 2, [5, 9], response_format=free, logprobs=2, max_new_tokens=8),  # masked first
+        seq_of(engine, 3, [5, 9], response_format=forced, max_new_tokens=8),  # forced bytes: first
+    ]
+    for seq in seqs[1:]:
+        seq.matcher = grammars.matcher(seq.request.response_format)
+
+    def alone(fmt):
+        bits = allocate_token_bitmask(1, engine.vocab_size)
+        fill_next_token_bitmask(grammars.matcher(fmt), bits, 0)
+        return bits[0]
+
+    masks = GrammarMasks(engine.vocab_size)
+    first = masks.collect(masks.start(seqs))
+    assert first is not None and first.rows == [2, 3]
+    assert torch.equal(first.bits[0], alone(free)) and torch.equal(first.bits[1], alone(forced))
+    allowed = engine.tokenizer.encode("yes", add_special_tokens=False)[0]
+    assert masks.refused(seqs, [7, allowed, 1, 1], first) is None  # the check lets "yes" through
+    refused = engine.tokenizer.encode("x", add_special_tokens=False)[0]
+    late = masks.refused(seqs, [7, refused, 1, 1], first)
+    assert late is not None and late.rows == [1] and torch.equal(late.bits[0], alone(free))
+    # Linux tells each thread's CPU time: llguidance's threads are found and their work counted
+    assert len(masks.cpu_s) == 2 and min(masks.cpu_s) > 0
+    assert list(masks.masked) == [2 / 3, 1.0]
+
+
+def test_a_sampled_row_drawn_before_its_mask_follows_the_masked_distribution(engine):
+    """Kept where the grammar allows the draw, drawn again from the masked distribution where it
+    refuses it: the tokens' frequencies are the masked distribution's (exact, so 4,000 seeded draws
+    land within sampling noise of it)."""
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+    from tokenfleet.engines.native.grammar_masks import GrammarMasks, RowMasks
+    from tokenfleet.engines.native.logits_process import choose_controlled
+    from tokenfleet.protocol.output_controls import parse_response_format
+
+    cfg = DynamicBatchingConfig(max_wait_ms=0, max_batch_size=8, max_seq_len=256, buckets=(32,))
+    grammars = NativeCore(engine, cfg).grammars
+    fmt = parse_response_format({"type": "regex", "regex": "(yes|no|maybe|never)!"})
+    bits = allocate_token_bitmask(1, engine.vocab_size)
+    fill_next_token_bitmask(grammars.matcher(fmt), bits, 0)
+    allowed = ~RowMasks([0], bits, 0.0).blocked(engine.vocab_size)[0]
+    torch.manual_seed(1)
+    logits = torch.randn(engine.vocab_size)
+    logits[allowed] += logits[~allowed].logsumexp(0) - logits[allowed].logsumexp(0)  # half the mass each
+    masked = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+    grammar, counts, n = GrammarMasks(engine.vocab_size), torch.zeros(engine.vocab_size), 4000
+    for seed in range(n):
+        seq = seq_of(engine, seed, [5, 9], response_format=fmt, temperature=1.0, seed=seed, max_new_tokens=4)
+        seq.matcher = grammars.matcher(fmt)
+        chosen = choose_controlled(logits[None].clone(), [seq], grammar, grammar.start([seq]))
+        counts[chosen.tokens[0]] += 1
+    assert counts[~allowed].sum() == 0
+    assert 0.1 < statistics.fmean(grammar.masked) < 0.9  # some draws kept, some drawn again
+    total_variation = (counts / n - masked).abs().sum() / 2
+    assert total_variation < 0.05, total_variation

@@ -16,18 +16,26 @@ import torch
 
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.engines.native.core import Chosen
-from tokenfleet.engines.native.grammar_masks import RowMasks
+from tokenfleet.engines.native.grammar_masks import GrammarMasks, PendingMasks, RowMasks
 from tokenfleet.engines.native.sampling import choose_tokens
 from tokenfleet.protocol import TokenLogprob
 
 NO_ALLOWED_TOKEN = "the response_format allows no token here (the grammar is at a dead end)"
 
 
-def choose_controlled(logits: torch.Tensor, seqs: Sequence[SeqState], masks: RowMasks | None) -> Chosen:
+def choose_controlled(
+    logits: torch.Tensor, seqs: list[SeqState], grammar: GrammarMasks, pending: PendingMasks | None
+) -> Chosen:
     """Each row's token after its logit processing (None for a row that could not be sampled or
-    has no allowed token, its ``sampling_error`` saying why), and the logprobs asked for."""
+    has no allowed token, its ``sampling_error`` saying why), and the logprobs asked for.
+    ``pending``: the masks ``grammar`` began filling for the rows that need theirs first; the other
+    constrained rows are checked after drawing (see :class:`GrammarMasks`)."""
+    masks = grammar.collect(pending)
     dead = process_logits(logits, seqs, masks)
     tokens = choose_tokens(logits, seqs)
+    late = grammar.refused(seqs, tokens, masks)
+    if late is not None:
+        dead += _redraw(logits, seqs, tokens, late)
     for row in dead:
         seqs[row].sampling_error = NO_ALLOWED_TOKEN
         tokens[row] = None
@@ -46,12 +54,26 @@ def process_logits(logits: torch.Tensor, seqs: Sequence[SeqState], masks: RowMas
     _bias(sub, picked)
     _hold_back_ends(sub, picked)
     _penalise(sub, picked)
-    if masks is not None:
+    if masks is not None and masks.rows:
         _forbid(sub, rows, masks)
     if not whole:
         logits.index_copy_(0, torch.tensor(rows), sub)
-    dead = torch.isneginf(sub.max(dim=-1).values).tolist() if masks is not None else []
+    dead = torch.isneginf(sub.max(dim=-1).values).tolist() if masks is not None and masks.rows else []
     return [row for row, none_left in zip(rows, dead) if none_left]
+
+
+def _redraw(
+    logits: torch.Tensor, seqs: list[SeqState], tokens: list[int | None], late: RowMasks
+) -> list[int]:
+    """Mask the rows ``late.rows`` (their grammar refused the token drawn without a mask) and draw
+    each again from a number independent of the first; returns those left with no allowed token."""
+    _forbid(logits, list(range(len(seqs))), late)
+    at = torch.tensor(late.rows)
+    masked = logits.index_select(0, at)
+    none_left = torch.isneginf(masked.max(dim=-1).values).tolist()
+    for row, token in zip(late.rows, choose_tokens(masked, [seqs[r] for r in late.rows], redraw=True)):
+        tokens[row] = token
+    return [row for row, dead in zip(late.rows, none_left) if dead]
 
 
 def _forbid(sub: torch.Tensor, rows: list[int], masks: RowMasks) -> None:

@@ -155,7 +155,7 @@ class ModelRunner:
     @torch.inference_mode()  # the logits are inference tensors, processed in place
     def choose_tokens(self, logits: torch.Tensor, seqs: list[SeqState], masks: PendingMasks | None) -> Chosen:
         """Each row's token after its logit processing, and the logprobs asked for."""
-        return choose_controlled(logits, seqs, self.grammar_masks.collect(masks))
+        return choose_controlled(logits, seqs, self.grammar_masks, masks)
 
     # -- forward passes -------------------------------------------------------------------------
 

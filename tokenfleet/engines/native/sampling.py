@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 MASK64 = (1 << 64) - 1
+REDRAW = 0x5DEECE66D  # mixed into the seed of a second draw
 NAN_ERROR = "cannot sample from this row's distribution: the logits hold NaN or infinity"
 
 
@@ -36,12 +37,14 @@ def row_seed(row: Any) -> int:
     return int(row.sampling_seed)
 
 
-def choose_tokens(logits: torch.Tensor, params: Sequence[Any]) -> list[int | None]:
+def choose_tokens(logits: torch.Tensor, params: Sequence[Any], redraw: bool = False) -> list[int | None]:
     """One token per row of ``logits`` ``[B, vocab]``; ``params[i]`` has ``temperature``,
     ``top_p``, ``top_k``, ``generated``, ``request.seed`` and ``sampling_seed`` (a
     :class:`~tokenfleet.core.sequence.SeqState`). A row that cannot be sampled gets ``None`` and
-    its error in ``sampling_error``: it fails alone, its batch-mates go on."""
+    its error in ``sampling_error``: it fails alone, its batch-mates go on. ``redraw``: a second
+    draw for the same token (after its grammar refused the first), from an independent number."""
     sampled = [row for row, p in enumerate(params) if p.temperature > 0.0]
+    salt = REDRAW if redraw else 0
     if not sampled:
         return logits.argmax(dim=-1).tolist()  # the one device-to-host copy of a greedy step
     host = torch.tensor(
@@ -49,7 +52,7 @@ def choose_tokens(logits: torch.Tensor, params: Sequence[Any]) -> list[int | Non
             [params[r].temperature for r in sampled],
             [float(params[r].top_k) for r in sampled],
             [params[r].top_p for r in sampled],
-            [uniform(row_seed(params[r]), len(params[r].generated)) for r in sampled],
+            [uniform(row_seed(params[r]) ^ salt, len(params[r].generated)) for r in sampled],
             sampled,
         ],
         dtype=torch.float64,
