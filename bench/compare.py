@@ -7,6 +7,7 @@ batching, vLLM-CPU, and tokenfleet in-process and end to end through Redis.
 Workloads (greedy, EOS ignored, random prompt tokens): ``fixed`` 32 prompts x 128 tokens, 64 new
 each, all at once; ``mixed`` prompt lengths 16-256 and 16-128 new; ``poisson`` fixed lengths,
 arrivals a Poisson process at ``--rate`` requests/s. Every system gets the same token ids.
+``chat`` and ``structured`` hand over to bench/chat.py and bench/structured.py (their own rows).
 
 Rows: ``hf-generate-b1`` (one request at a time; only the first ``--b1-requests`` of them, its
 throughput does not depend on how many), ``hf-generate-batch`` (one left-padded ``generate``;
@@ -105,8 +106,9 @@ def main() -> None:
     p.add_argument(
         "--workload",
         default="fixed",
-        choices=["fixed", "mixed", "poisson", "chat"],
-        help="chat: the shared-prefix chat workload of bench.chat (its own rows and options)",
+        choices=["fixed", "mixed", "poisson", "chat", "structured"],
+        help="chat: the shared-prefix chat workload of bench.chat; structured: 32 requests under "
+        "one JSON schema against the same unconstrained, bench.structured (each its own rows)",
     )
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128)
@@ -148,6 +150,10 @@ def main() -> None:
         from bench.chat import main as chat_main
 
         return chat_main([a for a in sys.argv[1:] if a not in ("--workload", "chat")])
+    if args.workload == "structured":  # constrained against unconstrained, in one process
+        from bench.structured import main as structured_main
+
+        return structured_main([a for a in sys.argv[1:] if a not in ("--workload", "structured")])
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
 

@@ -1,10 +1,12 @@
 """Constrained decoding's cost: 32 chat requests under one JSON schema against the same requests
 unconstrained, on the native engine in this process, rounds taking turns.
 
-    python -m bench.structured --model DIR --dtype bfloat16 --rounds 3
+    python -m bench.structured --model DIR --dtype bfloat16 --rounds 6
+    python -m bench.compare --workload structured --model DIR --dtype bfloat16   (the same)
 
-Each round runs the constrained burst (all 32 at once, continuous batching, greedy), then the
-same prompts unconstrained, each held to the length its constrained twin reached (EOS ignored):
+Each round runs the constrained burst (all 32 at once, continuous batching, greedy), the same
+prompts unconstrained, each held to the length its constrained twin reached (EOS ignored), and
+the constrained burst with every row masked first, each of the three first in turn by round:
 both sides generate the same number of tokens in batches of the same shape, so the ratio of
 their tokens/s is the grammar's cost alone. The grammar's time per sequence per step, from the
 engine's own record: its CPU time (the checks of tokens drawn without a mask, and the full masks
@@ -100,13 +102,13 @@ def percentiles(name: str, values: list[float], *ps: int) -> dict[str, float]:
     return {f"{name}_p{p}": round(percentile(values, p) or 0, 1) for p in ps}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model directory (default: a random small model)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args(argv)
 
     from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
     from tokenfleet.core.vocab import render_chat
@@ -137,27 +139,35 @@ def main() -> None:
     ]
     grammars = NativeCore(runner, batching).grammars
     burst(runner, batching, grammars, constrained[:2])  # compiles the schema and llguidance's tokenizer once
+    # the lengths the unconstrained twins are held to (greedy: every constrained burst reaches them)
+    lengths = [len(tokens) for tokens in burst(runner, batching, grammars, constrained)[0]]
+    twins = [
+        Request(id=f"u{i}", input_ids=tuple(ids), max_new_tokens=length, ignore_eos=True)
+        for i, (ids, length) in enumerate(zip(prompts, lengths))
+    ]
+    masks = runner.grammar_masks
     rounds = []
     for n in range(args.rounds):
-        masks = runner.grammar_masks
-        masks.cpu_s.clear()
-        masks.wait_s.clear()
-        masks.masked.clear()
-        outputs, constrained_s = burst(runner, batching, grammars, constrained)
-        lengths = [len(tokens) for tokens in outputs]
-        cpu_us = [s * 1e6 for s in masks.cpu_s]
-        wait_us = [s * 1e6 for s in masks.wait_s]
-        full_share = statistics.fmean(masks.masked)
-        twins = [
-            Request(id=f"u{i}", input_ids=tuple(ids), max_new_tokens=length, ignore_eos=True)
-            for i, (ids, length) in enumerate(zip(prompts, lengths))
-        ]
-        twin_outputs, plain_s = burst(runner, batching, grammars, twins)
-        assert [len(tokens) for tokens in twin_outputs] == lengths
-        masks.check_first = False  # the simpler policy, for comparison: the same tokens, masked first
-        every_outputs, every_s = burst(runner, batching, grammars, constrained)
+        sides = {"constrained": (constrained, True), "twins": (twins, True), "every": (constrained, False)}
+        order = list(sides)[n % 3 :] + list(sides)[: n % 3]  # each side first in turn: none always fresh
+        served: dict[str, tuple[list[list[int]], float]] = {}
+        for side in order:
+            requests, masks.check_first = sides[side]
+            if side == "constrained":
+                masks.cpu_s.clear()
+                masks.wait_s.clear()
+                masks.masked.clear()
+            served[side] = burst(runner, batching, grammars, requests)
+            if side == "constrained":
+                cpu_us = [s * 1e6 for s in masks.cpu_s]
+                wait_us = [s * 1e6 for s in masks.wait_s]
+                full_share = statistics.fmean(masks.masked)
         masks.check_first = True
-        assert every_outputs == outputs
+        (outputs, constrained_s), (twin_outputs, plain_s) = served["constrained"], served["twins"]
+        every_outputs, every_s = served["every"]
+        assert [len(tokens) for tokens in outputs] == lengths
+        assert [len(tokens) for tokens in twin_outputs] == lengths
+        assert every_outputs == outputs  # the simpler policy serves the same tokens
         step_us, mask_us = replay_masks(runner, grammars, constrained, outputs)
         tokens = sum(lengths)
         row = {

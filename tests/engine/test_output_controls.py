@@ -223,6 +223,30 @@ def test_grammar_masks_unpack_bit_for_bit_and_forbid_tokens_past_the_bitmask(voc
     assert blocked.tolist() == expected
 
 
+@pytest.mark.parametrize("vocab", [64, 70, 100, 1000])
+def test_the_mask_kernel_forbids_what_the_bits_forbid_in_place_and_finds_rows_left_empty(kernels, vocab):
+    from tokenfleet.engines.native.grammar_masks import RowMasks
+    from tokenfleet.engines.native.logits_process import forbid
+
+    torch.manual_seed(vocab)
+    words = 3 if vocab < 1000 else 32  # 96 tokens' bits: 64 and 70 past the vocabulary, 100 short
+    bits = torch.randint(-(2**31), 2**31 - 1, (4, words), dtype=torch.int32)
+    bits[1] = 0  # nothing allowed: row 3 is left empty
+    bits[2, 0] = 1 << 7  # only token 7 among the first 32, and row 4 holds -inf there
+    logits = torch.randn(6, vocab)
+    logits[4, 7] = float("-inf")
+    rows = [1, 3, 4, 5]
+    masks = RowMasks(rows, bits, 0.0)
+    expected = logits.clone()
+    expected[rows] = expected[rows].masked_fill(masks.blocked(vocab), float("-inf"))
+    ours = logits.clone()
+    dead = forbid(ours, masks)
+    assert torch.equal(ours, expected)  # rows 0 and 2 untouched; the others exactly as unpacked
+    left = ~torch.isneginf(expected[rows].max(dim=-1).values)
+    assert dead == [row for row, any_left in zip(rows, left.tolist()) if not any_left]
+    assert 3 in dead
+
+
 def test_a_plain_row_a_biased_row_and_a_constrained_row_are_each_processed_alone(engine):
     from tokenfleet.engines.native.grammar_masks import RowMasks
     from tokenfleet.protocol.output_controls import parse_response_format

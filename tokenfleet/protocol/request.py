@@ -62,6 +62,12 @@ class Request:
         return any(getattr(self, k) != d for k, d in _CONTROL_DEFAULTS.items() if k != "logprobs")
 
     @property
+    def adjusts_logits(self) -> bool:
+        """Whether its logits need penalties, a bias or ``min_tokens`` (all but a grammar's mask)."""
+        skip = ("logprobs", "response_format")
+        return any(getattr(self, k) != d for k, d in _CONTROL_DEFAULTS.items() if k not in skip)
+
+    @property
     def uses_output_controls(self) -> bool:
         """Whether any output control is asked for (the request then needs ``v`` 2)."""
         return self.processes_logits or self.logprobs is not None

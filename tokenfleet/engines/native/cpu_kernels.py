@@ -49,6 +49,7 @@ SOURCES = [
     CSRC / "linear_bf16_cpu.cpp",
     CSRC / "linear_f32_cpu.cpp",
     CSRC / "layer_ops_cpu.cpp",
+    CSRC / "token_mask_cpu.cpp",
 ]
 HEADERS = [CSRC / "common.h", CSRC / "linear_tasks.h"]
 CFLAGS = [
@@ -103,6 +104,11 @@ def paged_attention_kernels(enabled: bool = True) -> Any:
             log.warning("CPU paged-attention kernels unavailable (%s); using gather + SDPA", str(e)[:300])
             _module = None
         return _module
+
+
+def kernels_loaded() -> bool:
+    """Whether this process has loaded the kernels already (never builds or loads them)."""
+    return _module is not None
 
 
 def load_or_build() -> Any:

@@ -16,6 +16,7 @@ import torch
 
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.engines.native.core import Chosen
+from tokenfleet.engines.native.cpu_kernels import kernels_loaded
 from tokenfleet.engines.native.grammar_masks import GrammarMasks, PendingMasks, RowMasks
 from tokenfleet.engines.native.sampling import choose_tokens
 from tokenfleet.protocol import TokenLogprob
@@ -45,21 +46,17 @@ def choose_controlled(
 def process_logits(logits: torch.Tensor, seqs: Sequence[SeqState], masks: RowMasks | None) -> list[int]:
     """Apply each row's penalties, bias, ``min_tokens`` and grammar mask to ``logits`` ``[B,
     vocab]`` in place; returns the rows left with no allowed token (each fails alone)."""
-    rows = [i for i, seq in enumerate(seqs) if seq.request.processes_logits]
-    if not rows:
-        return []
-    whole = len(rows) == len(seqs)  # the usual constrained burst: work on the logits themselves
-    sub = logits if whole else logits.index_select(0, torch.tensor(rows))
-    picked = [seqs[i] for i in rows]
-    _bias(sub, picked)
-    _hold_back_ends(sub, picked)
-    _penalise(sub, picked)
-    if masks is not None and masks.rows:
-        _forbid(sub, rows, masks)
-    if not whole:
-        logits.index_copy_(0, torch.tensor(rows), sub)
-    dead = torch.isneginf(sub.max(dim=-1).values).tolist() if masks is not None and masks.rows else []
-    return [row for row, none_left in zip(rows, dead) if none_left]
+    rows = [i for i, seq in enumerate(seqs) if seq.request.adjusts_logits]
+    if rows:
+        whole = len(rows) == len(seqs)  # work on the logits themselves where every row asks
+        sub = logits if whole else logits.index_select(0, torch.tensor(rows))
+        picked = [seqs[i] for i in rows]
+        _bias(sub, picked)
+        _hold_back_ends(sub, picked)
+        _penalise(sub, picked)
+        if not whole:
+            logits.index_copy_(0, torch.tensor(rows), sub)
+    return forbid(logits, masks) if masks is not None and masks.rows else []
 
 
 def _redraw(
@@ -67,25 +64,26 @@ def _redraw(
 ) -> list[int]:
     """Mask the rows ``late.rows`` (their grammar refused the token drawn without a mask) and draw
     each again from a number independent of the first; returns those left with no allowed token."""
-    _forbid(logits, list(range(len(seqs))), late)
-    at = torch.tensor(late.rows)
-    masked = logits.index_select(0, at)
-    none_left = torch.isneginf(masked.max(dim=-1).values).tolist()
+    dead = forbid(logits, late)
+    masked = logits.index_select(0, torch.tensor(late.rows))
     for row, token in zip(late.rows, choose_tokens(masked, [seqs[r] for r in late.rows], redraw=True)):
         tokens[row] = token
-    return [row for row, dead in zip(late.rows, none_left) if dead]
+    return dead
 
 
-def _forbid(sub: torch.Tensor, rows: list[int], masks: RowMasks) -> None:
-    """-inf wherever a constrained row's grammar forbids the token (``sub``'s rows are ``rows``)."""
-    where = {row: k for k, row in enumerate(rows)}
-    at = [where[row] for row in masks.rows]
-    blocked = masks.blocked(sub.shape[1])
-    if at == list(range(len(rows))):  # every row here is constrained: in place, no copies
-        sub.masked_fill_(blocked, float("-inf"))
-        return
-    constrained = torch.tensor(at)
-    sub.index_copy_(0, constrained, sub.index_select(0, constrained).masked_fill_(blocked, float("-inf")))
+def forbid(logits: torch.Tensor, masks: RowMasks) -> list[int]:
+    """-inf wherever a row's grammar forbids the token (the rows ``masks.rows`` of ``logits``, in
+    place); returns the rows left with no token above -inf. One pass a row in the CPU kernel."""
+    at = torch.tensor(masks.rows)
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and kernels_loaded():
+        some_left = torch.ops.tokenfleet.apply_token_bitmask_(logits, at, masks.bits).tolist()
+    else:
+        blocked = masks.blocked(logits.shape[1]).to(logits.device)
+        at = at.to(logits.device)
+        masked = logits.index_select(0, at).masked_fill_(blocked, float("-inf"))
+        logits.index_copy_(0, at, masked)
+        some_left = (~torch.isneginf(masked.max(dim=-1).values)).tolist()
+    return [row for row, left in zip(masks.rows, some_left) if not left]
 
 
 def _bias(sub: torch.Tensor, seqs: list[SeqState]) -> None:
