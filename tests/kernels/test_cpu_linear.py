@@ -158,6 +158,25 @@ def test_the_bf16_kernel_rounds_float32_sums_of_the_bf16_products_once(bias, row
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [12, 16, 20, 32])  # 2, 2, 3 and 4+ full tiles share the prefetch
+def test_prefetching_the_next_panel_changes_no_bit(rows):
+    torch.manual_seed(rows)
+    linear = nn.Linear(200, 64 * 5 + 7, bias=True).to(torch.bfloat16)
+    x = torch.randn(rows, 200).to(torch.bfloat16)
+    kernel = bf16_linear.KernelLinear(linear)
+    ops = torch.ops.tokenfleet
+    with torch.inference_mode():
+        before = ops.linear_prefetch(True)
+        try:
+            fetched = kernel(x)
+            ops.linear_prefetch(False)
+            plain = kernel(x)
+        finally:
+            ops.linear_prefetch(before)
+    assert torch.equal(fetched, plain)
+
+
+@needs_kernel
 def test_the_bf16_kernel_rounds_exact_sums_to_nearest_even_and_keeps_nan_and_inf():
     # Small integers: every product and sum is exact in float32, so only the final rounding to
     # bf16 (8 significant bits: 257 -> 256, 259 -> 260, ties to even) decides the output.

@@ -41,8 +41,14 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+
+// Whether decode-sized calls prefetch the next panel: linear_prefetch() sets it (benchmarks compare).
+static std::atomic<bool> prefetch_allowed{true};
+
+bool linear_prefetch(bool enabled) { return prefetch_allowed.exchange(enabled); }
 
 namespace {
 
@@ -53,9 +59,13 @@ constexpr int64_t PANEL = 64;  // output columns per panel: 4 vectors of 16 floa
 constexpr int64_t ROWS = 6;    // input rows per tile: 6 x 4 = 24 accumulators of 32 registers
 
 // out_tile[i][0..64) = sum over pairs p of x[i] pair p . panel[p][0..64), for MR rows.
-template <int MR>
+// AHEAD: the tile also prefetches AHEAD of the 4 cache lines a pair row of `ahead`'s panel
+// spans (from `ahead` on), into L2 as it goes: a decode step's weights come from DRAM, and a
+// panel's first tile otherwise waits on every line of it. The tiles of a panel share the next
+// panel's lines between them (see ahead_lines).
+template <int MR, int AHEAD = 0>
 inline void tile(const uint32_t* x, int64_t x_pairs, const uint32_t* panel, int64_t pairs, int64_t /*cols*/,
-                 float* out_tile) {
+                 float* out_tile, const uint32_t* ahead = nullptr) {
   __m512 acc[MR][4];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
@@ -65,6 +75,8 @@ inline void tile(const uint32_t* x, int64_t x_pairs, const uint32_t* panel, int6
     __m512bh w[4];
 #pragma GCC unroll 4
     for (int v = 0; v < 4; ++v) w[v] = (__m512bh)_mm512_loadu_si512(panel + p * PANEL + v * 16);
+#pragma GCC unroll 4
+    for (int v = 0; v < AHEAD; ++v) _mm_prefetch(reinterpret_cast<const char*>(ahead + p * PANEL + v * 16), _MM_HINT_T1);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * x_pairs + p]));
@@ -293,6 +305,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   // preempts (the client, Redis and the worker's I/O share these cores) holds up only the run it
   // has, where a static split left the other threads waiting for its whole share.
   const int64_t tasks = panels * chunks;
+  [[maybe_unused]] const bool prefetch = prefetch_allowed.load(std::memory_order_relaxed);
 #pragma omp parallel for schedule(guided) if (tasks > 1 && !omp_in_parallel())
   for (int64_t task = 0; task < tasks; ++task) {
     alignas(64) float sums[ROWS * PANEL];
@@ -301,7 +314,24 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
     const int64_t cols = std::min(PANEL, out_features - c0);
     for (int64_t r = r0; r < r1; r += ROWS) {
       const int64_t rows = std::min(ROWS, r1 - r);
-      run_tile(rows, xp + r * x_row, pairs, wp + panel * pairs * PANEL, pairs, cols, sums);
+      const uint32_t* weights = wp + panel * pairs * PANEL;
+#if defined(__AVX512BF16__)
+      // one chunk of rows (decode): the panel's full tiles bring the next panel into L2
+      const int64_t t = (r - r0) / ROWS, full = std::min<int64_t>(4, (r1 - r0) / ROWS);
+      const uint32_t* next = weights + pairs * PANEL + (4 * t / std::max<int64_t>(full, 1)) * 16;
+      // (not with one full tile: its 4 prefetches a pair row held 8-row calls up, 0.93-0.94x)
+      const int lines = prefetch && chunks == 1 && rows == ROWS && panel + 1 < panels && full >= 2 && t < full
+                            ? static_cast<int>(4 * (t + 1) / full - 4 * t / full)
+                            : 0;
+      if (lines == 4)
+        tile<ROWS, 4>(xp + r * x_row, pairs, weights, pairs, cols, sums, next);
+      else if (lines == 2)
+        tile<ROWS, 2>(xp + r * x_row, pairs, weights, pairs, cols, sums, next);
+      else if (lines == 1)
+        tile<ROWS, 1>(xp + r * x_row, pairs, weights, pairs, cols, sums, next);
+      else
+#endif
+        run_tile(rows, xp + r * x_row, pairs, weights, pairs, cols, sums);
 #if defined(TOKENFLEET_LINEAR_AVX2)
       store_tile(sums, rows, cols, bp ? bp + c0 : nullptr, op + r * out_features + c0, out_features);
 #else
@@ -325,6 +355,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
 TORCH_LIBRARY_FRAGMENT(tokenfleet, m) {
   m.def("pack_linear_bf16(Tensor weight) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("linear_prefetch(bool enabled) -> bool", &linear_prefetch);
 }
 
 TORCH_LIBRARY_IMPL(tokenfleet, CPU, m) {
