@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -141,6 +142,11 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128, help="prefill: each prompt; decode: the context")
     p.add_argument("--repeats", type=int, default=10, help="profiled steps per row (the median is given)")
     args = p.parse_args()
+    from tokenfleet.worker.malloc import arrange
+
+    # the worker's allocator (tcmalloc where found): under glibc a prefill's large buffers are
+    # mapped and faulted in afresh on every step, which a worker never pays
+    arrange("auto", [sys.executable, "-m", "bench.step_profile", *sys.argv[1:]])
 
     import torch
 
