@@ -58,11 +58,15 @@ constexpr int64_t ROW_CHUNK = 192;  // rows a task takes: a panel stays in L2 ov
 constexpr int64_t PANEL = 64;  // output columns per panel: 4 vectors of 16 float32 sums
 constexpr int64_t ROWS = 6;    // input rows per tile: 6 x 4 = 24 accumulators of 32 registers
 
+// The first of the 4 lines a pair row of the next panel spans that full tile t of `full` (2 to 4)
+// prefetches; it takes them up to tile t + 1's first.
+inline int64_t first_line_ahead(int64_t t, int64_t full) { return 4 * t / full; }
+
 // out_tile[i][0..64) = sum over pairs p of x[i] pair p . panel[p][0..64), for MR rows.
 // AHEAD: the tile also prefetches AHEAD of the 4 cache lines a pair row of `ahead`'s panel
 // spans (from `ahead` on), into L2 as it goes: a decode step's weights come from DRAM, and a
 // panel's first tile otherwise waits on every line of it. The tiles of a panel share the next
-// panel's lines between them (see ahead_lines).
+// panel's lines between them (see first_line_ahead).
 template <int MR, int AHEAD = 0>
 inline void tile(const uint32_t* x, int64_t x_pairs, const uint32_t* panel, int64_t pairs, int64_t /*cols*/,
                  float* out_tile, const uint32_t* ahead = nullptr) {
@@ -312,17 +316,20 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
     const int64_t panel = task / chunks, r0 = (task % chunks) * row_chunk;
     const int64_t r1 = std::min(m, r0 + row_chunk), c0 = panel * PANEL;
     const int64_t cols = std::min(PANEL, out_features - c0);
-    for (int64_t r = r0; r < r1; r += ROWS) {
-      const int64_t rows = std::min(ROWS, r1 - r);
-      const uint32_t* weights = wp + panel * pairs * PANEL;
+    const uint32_t* weights = wp + panel * pairs * PANEL;
 #if defined(__AVX512BF16__)
-      // one chunk of rows (decode): the panel's full tiles bring the next panel into L2
-      const int64_t t = (r - r0) / ROWS, full = std::min<int64_t>(4, (r1 - r0) / ROWS);
-      const uint32_t* next = weights + pairs * PANEL + (4 * t / std::max<int64_t>(full, 1)) * 16;
-      // (not with one full tile: its 4 prefetches a pair row held 8-row calls up, 0.93-0.94x)
-      const int lines = prefetch && chunks == 1 && rows == ROWS && panel + 1 < panels && full >= 2 && t < full
-                            ? static_cast<int>(4 * (t + 1) / full - 4 * t / full)
-                            : 0;
+    // one chunk of rows (decode): the panel's first full tiles (up to 4) bring the next panel into
+    // L2; not with one full tile (its 4 prefetches a pair row held 8-row calls up, 0.93-0.94x)
+    const int64_t full = std::min<int64_t>(4, (r1 - r0) / ROWS);
+    const bool ahead = prefetch && chunks == 1 && panel + 1 < panels && full >= 2;
+#endif
+    for (int64_t r = r0, t = 0; r < r1; r += ROWS, ++t) {
+      const int64_t rows = std::min(ROWS, r1 - r);
+#if defined(__AVX512BF16__)
+      const bool asks = ahead && t < full;  // full tiles come first: rows == ROWS here
+      const int64_t line = asks ? first_line_ahead(t, full) : 0;
+      const int lines = asks ? static_cast<int>(first_line_ahead(t + 1, full) - line) : 0;
+      const uint32_t* next = weights + pairs * PANEL + line * 16;
       if (lines == 4)
         tile<ROWS, 4>(xp + r * x_row, pairs, weights, pairs, cols, sums, next);
       else if (lines == 2)
