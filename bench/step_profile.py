@@ -29,7 +29,14 @@ from typing import Any
 
 from bench.common import host_kind, model_or_built
 
-LINEAR_OPS = ("tokenfleet::linear_bf16", "tokenfleet::linear_f32", "aten::mm", "aten::addmm", "mkldnn::")
+LINEAR_OPS = (
+    "tokenfleet::linear_bf16",
+    "tokenfleet::linear_amx",
+    "tokenfleet::linear_f32",
+    "aten::mm",
+    "aten::addmm",
+    "mkldnn::",
+)
 ATTENTION_OPS = ("tokenfleet::paged_decode", "tokenfleet::paged_prefill", "tokenfleet::paged_attention")
 LAYER_OPS = (
     "tokenfleet::rms_norm",

@@ -9,7 +9,7 @@ from tokenfleet.config.settings import setting
 
 ENGINE_BACKENDS = ("native", "vllm", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-BF16_LINEAR_ROUTES = ("auto", "kernel", "native", "float32")
+BF16_LINEAR_ROUTES = ("auto", "amx", "kernel", "native", "float32")
 F32_LINEAR_ROUTES = ("auto", "kernel", "onednn", "native")
 ALLOCATORS = ("auto", "tcmalloc", "system")
 
@@ -61,6 +61,7 @@ class EngineConfig:
     bf16_linear: str = setting(
         "auto",
         "CPU, bf16: where linears compute. auto: time the routes at start-up and take the fastest; "
+        "amx: tokenfleet's AMX tiles for decode rows (AMX Xeons; holds the weights twice); "
         "kernel: tokenfleet's bf16 GEMM; float32: oneDNN float32 GEMMs on float32 copies; native: "
         "torch's bf16 GEMMs.",
         choices=BF16_LINEAR_ROUTES,

@@ -2,7 +2,8 @@
 
 Loading them registers the operators ``torch.ops.tokenfleet.paged_decode`` and
 ``torch.ops.tokenfleet.paged_prefill`` (write the step's K/V into the pool, attend), and
-``pack_linear_bf16`` / ``linear_bf16`` (bf16 linears on AVX512-BF16, see ``bf16_linear``) and a
+``pack_linear_bf16`` / ``linear_bf16`` (bf16 linears on AVX512-BF16, see ``bf16_linear``),
+``pack_linear_amx`` / ``linear_amx`` (bf16 linears on AMX tiles, see ``amx_linear``) and a
 decoder layer's elementwise parts (``rms_norm``, ``add_rms_norm``, ``rotary_``, ``silu_and_mul``,
 see ``decoder``), with shape-only implementations here so that ``torch.compile`` can trace them.
 
@@ -47,6 +48,7 @@ SOURCES = [
     CSRC / "paged_decode_cpu.cpp",
     CSRC / "paged_prefill_cpu.cpp",
     CSRC / "linear_bf16_cpu.cpp",
+    CSRC / "linear_amx_cpu.cpp",
     CSRC / "linear_f32_cpu.cpp",
     CSRC / "layer_ops_cpu.cpp",
     CSRC / "token_mask_cpu.cpp",
@@ -272,6 +274,10 @@ def _register_fake() -> None:
         return query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])
 
     @torch.library.register_fake("tokenfleet::linear_bf16")
+    def _(x, packed, out_features, bias):
+        return x.new_empty(*x.shape[:-1], out_features)
+
+    @torch.library.register_fake("tokenfleet::linear_amx")
     def _(x, packed, out_features, bias):
         return x.new_empty(*x.shape[:-1], out_features)
 

@@ -1,6 +1,10 @@
 """Linears on the CPU: which GEMM computes them, chosen at load.
 
-Three routes, named as ``--bf16-linear`` names them:
+Four routes, named as ``--bf16-linear`` names them:
+
+- ``amx``: :class:`~tokenfleet.engines.native.amx_linear.AmxLinear`, tokenfleet's AMX tile kernel
+  (``csrc/linear_amx_cpu.cpp``) on a copy packed at load for decode-sized calls, oneDNN's GEMM on
+  the original weight for prefill-sized ones. AMX Xeons only.
 
 - ``float32``: :class:`~tokenfleet.engines.native.onednn_linear.PackedLinear`, oneDNN on a weight
   reordered once at load (no second copy). Always for float32 models (faster than ``F.linear``'s
@@ -12,8 +16,9 @@ Three routes, named as ``--bf16-linear`` names them:
   FMAs on widened weights otherwise.
 - ``native``: the model's own linears, left as they are.
 
-``auto`` times the routes at start-up and takes the kernel where it is fastest at decode rows and
-not much slower at prefill rows. docs/PERFORMANCE.md has the measurements behind these rules.
+``auto`` times the routes at start-up: the AMX tiles where they beat oneDNN at decode rows, else
+the kernel where it is fastest at decode rows and not much slower at prefill rows.
+docs/PERFORMANCE.md has the measurements behind these rules.
 """
 
 from __future__ import annotations
@@ -24,13 +29,14 @@ from collections import Counter
 import torch
 from torch import nn
 
+from tokenfleet.engines.native.amx_linear import AmxLinear, amx_wanted
 from tokenfleet.engines.native.bf16_linear import KernelLinear, bf16_kernel_available, bf16_linear_speeds
 from tokenfleet.engines.native.device import BF16_SLOWER_HINT, bf16_matmul_speed
 from tokenfleet.engines.native.f32_linear import F32KernelLinear, f32_kernel_wanted
 from tokenfleet.engines.native.kv_sizing import available_memory_bytes
 from tokenfleet.engines.native.onednn_linear import DECODE_ROWS_HINT, PackedLinear
 
-BF16_ROUTES = ("auto", "kernel", "float32", "native")
+BF16_ROUTES = ("auto", "amx", "kernel", "float32", "native")
 KERNEL_MIN_DECODE_GAIN = 1.0  # auto takes the kernel when at least as fast at 32 rows ...
 KERNEL_MAX_PREFILL_LOSS = 0.95  # ... and at least this fast as the best other at 512 rows,
 KERNEL_MAX_PREFILL_LOSS_VS_FLOAT32 = 0.8  # or this fast where that is the float32 copy
@@ -79,11 +85,16 @@ def linear_route(
     f32_route: str = "auto",
 ) -> str:
     """The route a model's linears take on ``device`` in ``dtype``, named as ``--bf16-linear``
-    names them: ``kernel`` (tokenfleet's: :class:`KernelLinear` for bf16,
+    names them: ``amx`` (:class:`AmxLinear`), ``kernel`` (tokenfleet's: :class:`KernelLinear` for bf16,
     :class:`~tokenfleet.engines.native.f32_linear.F32KernelLinear` for float32), ``float32``
     (:class:`PackedLinear`, oneDNN float32 GEMMs) or ``native`` (left as they are).
     ``bf16_route`` / ``f32_route`` are what was asked for a bf16 / float32 model (``auto``:
     measured); ``onednn`` False keeps ``F.linear`` where the kernel is not taken."""
+    linears = (
+        [child for _, _, child in swappable_linears(model, AmxLinear.DTYPES)] if model is not None else []
+    )
+    if amx_wanted(device, dtype, bf16_route, linears):
+        return "amx"
     if bf16_kernel_wanted(device, dtype, bf16_route) or f32_kernel_wanted(device, dtype, f32_route, onednn):
         return "kernel"
     if dtype == torch.float32 and f32_route == "native":
@@ -158,10 +169,11 @@ def is_tied(model: nn.Module, linear: nn.Linear) -> bool:
 
 
 def pack_linears(
-    model: nn.Module, kind: type[PackedLinear | KernelLinear | F32KernelLinear] = PackedLinear
+    model: nn.Module, kind: type[PackedLinear | KernelLinear | F32KernelLinear | AmxLinear] = PackedLinear
 ) -> int:
     """Swap each of :func:`swappable_linears` whose dtype ``kind`` takes for a ``kind``
-    (:class:`PackedLinear`, :class:`KernelLinear` or :class:`F32KernelLinear`); returns how many."""
+    (:class:`PackedLinear`, :class:`KernelLinear`, :class:`F32KernelLinear` or :class:`AmxLinear`);
+    returns how many."""
     swaps = swappable_linears(model, kind.DTYPES)
     for parent, name, child in swaps:
         setattr(parent, name, kind(child))
@@ -171,7 +183,9 @@ def pack_linears(
 def pack_for_route(model: nn.Module, route: str, dtype: torch.dtype) -> None:
     """Swap ``model``'s linears for the kind :func:`linear_route`'s ``route`` names (``native``:
     none), and log how many."""
-    if route == "kernel":
+    if route == "amx":
+        log.info("engine: %d linears on AMX tiles for decode rows, packed", pack_linears(model, AmxLinear))
+    elif route == "kernel":
         count = pack_linears(model, KernelLinear if dtype == torch.bfloat16 else F32KernelLinear)
         log.info(
             "engine: %d linears on tokenfleet's %s kernel, packed", count, str(dtype).removeprefix("torch.")
