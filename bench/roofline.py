@@ -5,6 +5,7 @@ on this host, the yardstick each row's wall time is held to.
 from __future__ import annotations
 
 import time
+from functools import partial
 
 from bench.workload import Req
 
@@ -45,8 +46,8 @@ def measure_matmul(dtype, m: int, k: int, n: int, seconds: float = 0.3, device: 
     tokenfleet's and vLLM-CPU's linears run: at decode shapes on some CPUs it is well ahead of the
     MKL GEMM a plain matmul takes), and for bf16 also a float32 GEMM (bf16 numbers widen exactly,
     and their products are exact in float32, so a float32 GEMM computes a bf16 matmul; on CPUs
-    whose bf16 GEMM is the slower, tokenfleet's linears take it), and tokenfleet's own bf16 kernel
-    where it is built: at decode shapes it can be the fastest of all, and a roofline the engine
+    whose bf16 GEMM is the slower, tokenfleet's linears take it), and tokenfleet's own bf16 kernels
+    where they run: at decode shapes it can be the fastest of all, and a roofline the engine
     beats is no roofline."""
     import torch
 
@@ -101,16 +102,20 @@ def time_onednn_linear(dtype, m: int, k: int, n: int, seconds: float) -> float:
 
 
 def time_kernel_linear(m: int, k: int, n: int, seconds: float) -> float:
-    """tokenfleet's bf16 linear kernel on a weight packed for it (0 where it is not built)."""
+    """The faster of tokenfleet's bf16 linear kernels on a weight packed for each: the VDPBF16PS /
+    FMA kernel and the AMX tiles (0 where neither runs here)."""
     import torch
 
+    from tokenfleet.engines.native.amx_linear import AmxLinear, amx_kernel_available
     from tokenfleet.engines.native.bf16_linear import KernelLinear, bf16_kernel_available
 
-    if not bf16_kernel_available():
-        return 0.0
     x = torch.randn(m, k).to(torch.bfloat16)
-    linear = KernelLinear(torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16))
-    return best_flops(lambda: linear(x), 2 * m * k * n, seconds)
+    speed = 0.0
+    for kind, available in ((KernelLinear, bf16_kernel_available), (AmxLinear, amx_kernel_available)):
+        if available():
+            linear = kind(torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16))
+            speed = max(speed, best_flops(partial(linear, x), 2 * m * k * n, seconds))
+    return speed
 
 
 def best_flops(run, flops: int, seconds: float, sync=lambda: None) -> float:
