@@ -273,17 +273,11 @@ def _register_fake() -> None:
     def _(query, key, value, k_cache, v_cache, write_blocks, write_offsets, block_tables, lengths, scale):
         return query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])
 
-    @torch.library.register_fake("tokenfleet::linear_bf16")
-    def _(x, packed, out_features, bias):
+    def linear(x, packed, out_features, bias):
         return x.new_empty(*x.shape[:-1], out_features)
 
-    @torch.library.register_fake("tokenfleet::linear_amx")
-    def _(x, packed, out_features, bias):
-        return x.new_empty(*x.shape[:-1], out_features)
-
-    @torch.library.register_fake("tokenfleet::linear_f32")
-    def _(x, packed, out_features, bias):
-        return x.new_empty(*x.shape[:-1], out_features)
+    for op in ("tokenfleet::linear_bf16", "tokenfleet::linear_amx", "tokenfleet::linear_f32"):
+        torch.library.register_fake(op)(linear)
 
     @torch.library.register_fake("tokenfleet::paged_prefill")
     def _(
