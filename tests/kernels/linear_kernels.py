@@ -40,3 +40,15 @@ def greedy_steps(engine: Any, prompts: list[list[int]], decode_steps: int) -> tu
         step = engine.decode([alloc.block_table(s) for s in ids], [alloc.num_tokens(s) for s in ids], chosen)
         logits.append(step)
     return tokens, logits
+
+
+def bf16_engine_logits(
+    model_dir: str, bf16_linear: str, decode_steps: int
+) -> tuple[set[str], list[torch.Tensor]]:
+    """A bf16 ModelRunner on the ``bf16_linear`` route: the kinds of module it holds, and its logits
+    over :data:`AGREEMENT_PROMPTS` (prefill, then ``decode_steps`` greedy steps)."""
+    from tokenfleet.engines.native.runner import ModelRunner
+
+    engine = ModelRunner(model_dir, device="cpu", dtype="bfloat16", bf16_linear=bf16_linear)
+    kinds = {type(m).__name__ for m in engine.model.modules()}
+    return kinds, greedy_steps(engine, AGREEMENT_PROMPTS, decode_steps)[1]

@@ -2,8 +2,8 @@
 for prefill-sized ones; whether this CPU has it, and whether ``--bf16-linear auto`` takes it.
 
 On AMX Xeons oneDNN's tile GEMM is the fastest thing there is for thousands of rows, but at a
-decode step's few rows it reads the weights at a third of the memory's speed; the kernel, on a
-weight packed in the order its tiles are used, reads them at 1.6-2.3x that (docs/PERFORMANCE.md).
+decode step's few rows it waits on the weights; the kernel, on a weight packed in the order its
+tiles are used, streams them (figures in docs/PERFORMANCE.md).
 The original weight is kept for the prefill calls (shared with a tied embedding, not copied), so
 the route holds the linear weights twice.
 """
@@ -22,9 +22,8 @@ from tokenfleet.engines.native.kv_sizing import available_memory_bytes
 from tokenfleet.engines.native.onednn_linear import DECODE_ROWS_HINT
 from tokenfleet.engines.native.route_race import Layer, race_routes
 
-# Rows up to which the tiles beat F.linear (oneDNN). 2-vCPU AMX Xeon, SmolLM2's layer shapes, weights
-# from memory: 1.9-2.3x at 32 rows, 1.2-1.6x at 256, 1.05-1.8x at 512, 1.0-2.0x at 1024, 0.5-0.96x
-# at 4096 (once the weight is reused enough, oneDNN's blocking wins)
+# Rows up to which the tiles beat F.linear (oneDNN): once a weight is reused over enough rows,
+# oneDNN's blocking wins (the crossover measured in docs/PERFORMANCE.md)
 AMX_MAX_ROWS = 256
 AMX_MIN_DECODE_GAIN = 1.05  # auto takes the tiles when at least this much faster at decode rows
 AMX_MAX_MEMORY_SHARE = 0.5  # ... and the packed copies fit in this share of the free memory

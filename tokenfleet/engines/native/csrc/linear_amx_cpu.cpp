@@ -1,10 +1,9 @@
 // bf16 linears on AMX tiles (Sapphire Rapids and later Xeons), for decode-sized calls.
 //
-// oneDNN's AMX GEMM reaches ~1-2 TFLOP/s on prefill's thousands of rows, but a decode step's 32
-// rows leave it waiting on the weight: on a 2-vCPU AMX Xeon it read SmolLM2's weights at 7-9 GB/s
-// of the ~22 the cores can stream. Here the weight is packed once at load into the exact tiles
-// TDPBF16PS takes, in the order they are used, so each thread reads one contiguous stream and asks
-// for it a few KB ahead: 14-21 GB/s on the same shapes (docs/PERFORMANCE.md).
+// oneDNN's AMX GEMM is fast on prefill's thousands of rows, but a decode step's few rows leave it
+// waiting on the weight, well below the memory's speed. Here the weight is packed once at load
+// into the exact tiles TDPBF16PS takes, in the order they are used, so each thread reads one
+// contiguous stream and asks for it a few KB ahead (figures in docs/PERFORMANCE.md).
 //
 // Packing: for each pair of 16-column blocks, for each 32-wide step along K, two 1 KB tiles, each
 // [16 pairs of input features][16 output features][2] (the VNNI layout). Zero padded to multiples
