@@ -15,7 +15,7 @@ import json
 import statistics
 import time
 
-from bench.common import model_or_built
+from bench.common import host_kind, model_or_built
 from bench.rows_tokenfleet import pool_blocks
 from bench.workload import Req, make_workload
 from tokenfleet.models import SIZES
@@ -95,14 +95,17 @@ def main() -> None:
             run = serve_burst(engine, reqs, budget, args.requests)
             runs[budget].append(run)
             print(json.dumps(run), flush=True)
+    model = args.model or args.size
     print(
         f"\n{args.requests} x {args.prompt_len}-token prompts at once, {args.new_tokens} new each; "
-        f"{args.size}, {args.dtype}{', --compile' if args.compile else ''}; medians of {args.rounds} rounds\n"
+        f"{model}, {args.dtype}{', --compile' if args.compile else ''}; medians of {args.rounds} rounds; "
+        f"{host_kind()}\n"
     )
     print("| max_prefill_tokens | tokens/s | TTFT mean ms | first TTFT ms | last TTFT ms |")
     print("|---|---|---|---|---|")
     for budget in budgets:
-        med = {k: statistics.median(r[k] for r in runs[budget]) for k in runs[budget][0] if k != "budget"}
+        keys = [k for k in runs[budget][0] if k != "budget"]
+        med = {k: round(statistics.median(r[k] for r in runs[budget]), 1) for k in keys}
         print(
             f"| {budget} | {med['tokens_per_s']} | {med['ttft_mean_ms']} | {med['ttft_first_ms']} | "
             f"{med['ttft_last_ms']} |"

@@ -21,6 +21,7 @@ from bench.common import model_or_built
 from bench.prefill_budget import serve_burst
 from bench.rows_tokenfleet import pool_blocks
 from bench.workload import make_workload
+from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.models import SIZES
 
 
@@ -33,7 +34,7 @@ def main() -> None:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--max-prefill-tokens", type=int, default=2048)
+    p.add_argument("--max-prefill-tokens", type=int, default=DynamicBatchingConfig().max_prefill_tokens)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--compile", action="store_true")
     args = p.parse_args()

@@ -63,7 +63,7 @@ class DynamicBatchingConfig:
         choices=MODES,
     )
     max_prefill_tokens: int = setting(
-        2048,
+        1024,
         "continuous: prompt tokens one prefill step may take; a larger batch starts in parts with a "
         "decode step between them (earlier first tokens; a longer prompt still starts, alone).",
     )
