@@ -1,7 +1,7 @@
 // Helpers shared by the CPU attention kernels (paged_decode_cpu.cpp, paged_prefill_cpu.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <cstring>

@@ -14,7 +14,7 @@
 //       applied in place to the first ``heads`` heads (the queries' and the keys'), rotate-half
 //   silu_and_mul(gate_up [N, 2 I]) -> [N, I]: silu(gate) * up
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cmath>

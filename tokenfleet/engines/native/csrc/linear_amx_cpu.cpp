@@ -15,7 +15,8 @@
 //   pack_linear_amx(weight [N, K]) -> packed [ceil(N/32), ceil(K/32), 2, 16, 32] bf16
 //   linear_amx(x [..., K], packed, N, bias [N] float32?) -> [..., N] bf16
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>

@@ -22,7 +22,7 @@
 //   pack_linear_bf16(weight [N, K])  -> packed [ceil(N/P), ceil(K/2), P, 2], zero padded (P = PANEL)
 //   linear_bf16(x [..., K], packed, N, bias [N]?) -> [..., N] bf16, float32 sums rounded once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <omp.h>

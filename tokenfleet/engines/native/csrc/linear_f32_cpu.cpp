@@ -18,7 +18,7 @@
 //   pack_linear_f32(weight [N, K])  -> packed [ceil(N/PANEL), K, PANEL], zero padded
 //   linear_f32(x [..., K], packed, N, bias [N]?) -> [..., N]
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <torch/library.h>
 #include <omp.h>
 

@@ -17,7 +17,7 @@
 // Work is split over sequences; query head h reads kv head h / (H / KVH) (GQA). Sums and the
 // softmax are in float32, as SDPA does for bf16 inputs.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 
@@ -452,5 +452,3 @@ TORCH_LIBRARY_FRAGMENT(tokenfleet, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokenfleet, CPU, m) { m.impl("paged_decode", &paged_decode); }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}  // the operator above is the interface (torch.ops.tokenfleet)

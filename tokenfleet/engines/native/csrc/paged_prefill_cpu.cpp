@@ -19,7 +19,7 @@
 //   returns      [1, N, H, D]        the layout Hugging Face attention functions return
 // Work is split over (prompt, kv head, block of query rows); D must be a multiple of 16.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>

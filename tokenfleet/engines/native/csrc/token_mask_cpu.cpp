@@ -9,7 +9,7 @@
 //       packing: bit t % 32 of word t / 32; tokens past 32 * words are forbidden); returns whether
 //       each row still holds a token above -inf (False: the grammar left it nothing to draw).
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cstdint>
