@@ -12,7 +12,7 @@ They are compiled for this machine's CPU with the C++ compiler PyTorch finds
 changes the binary (the CPU's instruction sets, torch's and Python's versions, the flags, the
 sources' bytes) and nothing that does not (not the virtualenv, not the checkout), and the
 sources are compiled from copies inside that directory. A finished build is marked and from then
-on imported directly, never handed to ninja again (torch writes the venv's include paths into
+on loaded directly, never handed to ninja again (torch writes the venv's include paths into
 the build file: run through it, every other virtualenv rebuilt everything). Builds are looked for
 in this process's cache home and in the user's default one, so a test with a cache home of its
 own or a second virtualenv compiles nothing. When they cannot be built (no compiler, no
@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -36,7 +35,6 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from tokenfleet.config.loading import kernel_cache_dirs
 
@@ -52,7 +50,6 @@ SOURCES = [
     CSRC / "linear_f32_cpu.cpp",
     CSRC / "layer_ops_cpu.cpp",
     CSRC / "token_mask_cpu.cpp",
-    CSRC / "module_cpu.cpp",
 ]
 HEADERS = [CSRC / "common.h", CSRC / "linear_tasks.h"]
 CFLAGS = [
@@ -69,7 +66,7 @@ DONE = "built.json"  # written last by a build that succeeded: its library is co
 BUILD_CPU_S = 100.0
 KEEP_BUILDS = 4  # builds of other sources kept per cache (older checkouts), most recently used first
 _lock = threading.Lock()
-_module: Any = None
+_library: Path | None = None
 _tried = False
 
 
@@ -89,42 +86,42 @@ def build_key() -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def paged_attention_kernels(enabled: bool = True) -> Any:
-    """The compiled extension module, or ``None`` when not ``enabled`` or it cannot be built."""
-    global _module, _tried
+def paged_attention_kernels(enabled: bool = True) -> Path | None:
+    """The loaded kernel library's path, or ``None`` when not ``enabled`` or it cannot be built."""
+    global _library, _tried
     if not enabled:
         return None
     if _tried:
-        return _module
+        return _library
     with _lock:
         if _tried:
-            return _module
+            return _library
         _tried = True
         try:
-            _module = load_or_build()
+            _library = load_or_build()
             _register_fake()
         except Exception as e:  # no compiler, no ninja, an odd platform: the gather path still works
             log.warning("CPU paged-attention kernels unavailable (%s); using gather + SDPA", str(e)[:300])
-            _module = None
-        return _module
+            _library = None
+        return _library
 
 
 def kernels_loaded() -> bool:
     """Whether this process has loaded the kernels already (never builds or loads them)."""
-    return _module is not None
+    return _library is not None
 
 
-def load_or_build() -> Any:
-    """This machine's build of these sources, imported; built first (once) where there is none.
-    A process that finds another building waits for it, with progress lines, and imports its build."""
+def load_or_build() -> Path:
+    """This machine's build of these sources, loaded; built first (once) where there is none.
+    A process that finds another building waits for it, with progress lines, and loads its build."""
     built = find_build()
     if built is not None:
         log.info("loading the CPU kernels (built on this machine before: %s)", built)
-        return _import(built)
+        return _load(built)
     build_dir = build_directory()
     with build_lock(build_dir):
         if (build_dir / DONE).exists():  # another process built them while we waited
-            return _import(build_dir)
+            return _load(build_dir)
         log.info("building the CPU kernels: once per machine, %s", build_estimate())
         with progress_lines("still building the CPU kernels"):
             return _build(build_dir)
@@ -170,7 +167,7 @@ def build_estimate() -> str:
     return f"about {BUILD_CPU_S / cores / 60:.0f}-{2 * BUILD_CPU_S / cores / 60:.0f} min on {cores} cores"
 
 
-def _build(build_dir: Path) -> Any:
+def _build(build_dir: Path) -> Path:
     """Compile (torch's ``cpp_extension.load`` on copies of the sources inside ``build_dir``),
     then mark the build finished and prune old builds."""
     from torch.utils.cpp_extension import load
@@ -185,31 +182,29 @@ def _build(build_dir: Path) -> Any:
         partial = copy.with_name(f"{copy.name}.{os.getpid()}.tmp")
         partial.write_bytes(code)
         partial.replace(copy)
-    module = load(
+    library = load(
         name=NAME,
         sources=[str(src / path.name) for path in SOURCES],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
         verbose=False,
+        is_python_module=False,  # operators only (torch.ops.tokenfleet): no pybind11 to compile
     )
     seconds = time.monotonic() - started
     (build_dir / DONE).write_text(json.dumps({"seconds": round(seconds, 1), "cores": os.cpu_count()}))
     log.info("built the CPU kernels in %.0f s", seconds)
     prune_builds(build_dir.parent, keep=build_dir)
-    return module
+    return Path(library)
 
 
-def _import(build_dir: Path) -> Any:
-    """Import a finished build's library (torch first: it links against torch's own libraries)."""
-    import torch  # noqa: F401
+def _load(build_dir: Path) -> Path:
+    """Load a finished build's library into this process, which registers its operators."""
+    import torch
 
-    spec = importlib.util.spec_from_file_location(NAME, build_dir / f"{NAME}.so")
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {build_dir / NAME}.so")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    library = build_dir / f"{NAME}.so"
+    torch.ops.load_library(str(library))
+    return library
 
 
 def prune_builds(root: Path, keep: Path) -> None:
