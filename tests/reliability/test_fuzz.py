@@ -135,7 +135,7 @@ def test_fuzzed_entries_never_kill_the_worker(run_worker, redis_url, prefix, r, 
 
 # -- twenty thousand malformed entries, every class of bad input -----------------------------------
 
-# What one bad entry may leave in Redis (docs/OPERATIONS.md, "Redis memory"): a dead
+# What one bad entry may leave in Redis (docs/operations/size.md, "Redis memory"): a dead
 # letter of at most DEAD_LETTER_BODY_BYTES of body plus its fields (only the newest ~10,000 are
 # kept), an error reply stream until its TTL, and an owner key for an id that passed validation.
 DEAD_LETTER_BYTES = protocol.DEAD_LETTER_BODY_BYTES + 512

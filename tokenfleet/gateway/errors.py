@@ -96,5 +96,5 @@ def install(app: FastAPI) -> None:
         where = ".".join(str(p) for p in first.get("loc", ())[1:])
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg"))
         if first.get("type") == "extra_forbidden":  # a field we would otherwise ignore
-            message = f"{where} is not supported by this gateway (docs/OPERATIONS.md lists what is)"
+            message = f"{where} is not supported by this gateway (docs/operations/gateway.md lists what is)"
         return APIError(400, message, param=where or None, code=ErrorCode.INVALID_REQUEST).response()

@@ -3,7 +3,7 @@
 Producers may only enqueue (through the backpressure script), read reply streams, cancel, read
 the bucket list and the workers' heartbeats (to say when nobody serves a request); workers may
 only do what serving needs, on the fleet's keys; monitors (``tokenfleet status``, dashboards)
-may only read. Print them with ``tokenfleet acl``; ``docs/OPERATIONS.md`` shows them for the
+may only read. Print them with ``tokenfleet acl``; ``docs/operations/secure.md`` shows them for the
 default prefix.
 """
 

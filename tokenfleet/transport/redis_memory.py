@@ -46,7 +46,7 @@ class MemoryPolicy:
         return (
             f"redis maxmemory-policy is {self.policy} ({limit}): when full it deletes keys, and queued "
             f"requests and reply streams vanish; set `CONFIG SET maxmemory-policy noeviction` "
-            "(see OPERATIONS.md, 'When Redis loses data')"
+            "(see docs/operations/failure-modes.md, 'When Redis loses data')"
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The same measurements under vLLM's metric names (``vllm:*``, labels ``model_name`` and
 ``engine``), so dashboards, alerts and KEDA/HPA recipes written for vLLM work on a tokenfleet
 fleet unchanged. The names and buckets follow vLLM 0.32's ``v1/metrics/loggers.py``; the mapping
-to ours is in docs/OPERATIONS.md ("Metrics")."""
+to ours is in docs/operations/watch.md ("vLLM's names")."""
 
 from __future__ import annotations
 

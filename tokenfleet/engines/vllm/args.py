@@ -1,4 +1,4 @@
-"""A worker's configuration as vLLM's ``EngineArgs``: one mapping, documented in OPERATIONS.md."""
+"""A worker's configuration as vLLM's ``EngineArgs``: one mapping, documented in docs/operations/engines.md"""
 
 from __future__ import annotations
 
