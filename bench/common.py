@@ -43,7 +43,7 @@ def pin_bf16_linear_route(dtype: str, device: str = "cpu") -> str | None:
         return named
     import torch
 
-    from tokenfleet.engines.native.cpu_linear import linear_route
+    from tokenfleet.engines.native.linear.routes import linear_route
 
     route = linear_route(torch.device("cpu"), torch.bfloat16)
     os.environ["TOKENFLEET_BF16_LINEAR"] = route

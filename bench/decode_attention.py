@@ -22,7 +22,7 @@ import time
 import torch
 
 from bench.common import host_kind
-from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
+from tokenfleet.engines.native.kernels.loader import load_kernels
 
 BLOCK = 16
 
@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--dtypes", default="float32,bfloat16")
     args = p.parse_args()
-    if paged_attention_kernels() is None:
+    if load_kernels() is None:
         raise SystemExit("the CPU kernels could not be built here (see the worker's log line)")
     host = host_kind()
     for name in args.dtypes.split(","):

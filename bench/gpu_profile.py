@@ -43,7 +43,7 @@ def profile_steps(runner, batch: int) -> dict:  # noqa: ANN001 (a ModelRunner)
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from tokenfleet.engines.native.sampling import choose_tokens
+    from tokenfleet.engines.native.sampling.draw import choose_tokens
 
     blocks = -(-CONTEXT // runner.block_size)
     tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(batch)]
@@ -94,7 +94,7 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/gpu")
     args = p.parse_args()
 
-    from tokenfleet.config import KVCacheConfig
+    from tokenfleet.config import DynamicBatchingConfig, EngineConfig, KVCacheConfig
     from tokenfleet.engines.native.runner import ModelRunner
     from tokenfleet.models.random_init import init_model
 
@@ -104,13 +104,11 @@ def main() -> None:
     results = []
     for graphs in (False, True):
         runner = ModelRunner(
-            model,
-            args.device,
-            args.dtype,
+            EngineConfig(model=model, device=args.device, dtype=args.dtype, cuda_graphs=graphs),
             KVCacheConfig(num_blocks=blocks),
-            max_batch_size=max(batches),
-            cuda_graphs=graphs,
-            max_seq_len=CONTEXT + 64,
+            DynamicBatchingConfig(
+                max_batch_size=max(batches), max_seq_len=CONTEXT + 64, buckets=(CONTEXT + 64,)
+            ),
         )
         if graphs and runner.graphs is None:
             continue  # no CUDA graphs on this device

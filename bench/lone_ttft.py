@@ -42,20 +42,22 @@ class InProcessPrefill:
     timed with the host sync that sampling needs."""
 
     def __init__(self, model_dir: str, dtype: str, prompt: list[int]):
-        from tokenfleet.config import KVCacheConfig
+        from tokenfleet.config import DynamicBatchingConfig, EngineConfig, KVCacheConfig
         from tokenfleet.engines.native.runner import ModelRunner
 
-        self.engine = ModelRunner(
-            model_dir, dtype=dtype, kv=KVCacheConfig(num_blocks=64), bf16_linear=pinned_bf16_linear()
+        self.runner = ModelRunner(
+            EngineConfig(model=model_dir, dtype=dtype, bf16_linear=pinned_bf16_linear()),
+            KVCacheConfig(num_blocks=64),
+            DynamicBatchingConfig(),
         )
         self.prompt = prompt
         self.ms()  # the first includes one-time set-up
 
     def ms(self) -> float:
-        engine = self.engine
-        blocks = -(-len(self.prompt) // engine.block_size)  # nothing else runs: blocks 0.. are free
+        runner = self.runner
+        blocks = -(-len(self.prompt) // runner.block_size)  # nothing else runs: blocks 0.. are free
         start = time.perf_counter()
-        engine.prefill([list(range(blocks))], [self.prompt]).logits.argmax(-1).tolist()
+        runner.prefill([list(range(blocks))], [self.prompt]).logits.argmax(-1).tolist()
         return (time.perf_counter() - start) * 1000
 
     def warm_ms(self, repeats: int) -> float:

@@ -16,9 +16,9 @@ import random
 import time
 
 from bench.common import model_or_built
-from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
+from tokenfleet.config import DynamicBatchingConfig, EngineConfig, KVCacheConfig
 from tokenfleet.core.interface import StepOutput
-from tokenfleet.core.offline import run_offline
+from tokenfleet.core.offline import finished_in, run_offline
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.engines.native.core import NativeCore
 from tokenfleet.engines.native.runner import ModelRunner
@@ -36,7 +36,7 @@ def workload(n: int, seed: int, max_prompt: int, max_new: int, vocab: int) -> li
     ]
 
 
-def run_mode(engine: ModelRunner, mode: str, jobs, args) -> dict:
+def run_mode(runner: ModelRunner, mode: str, jobs, args) -> dict:
     cfg = DynamicBatchingConfig(
         max_wait_ms=0,
         max_batch_size=args.max_batch_size,
@@ -44,14 +44,17 @@ def run_mode(engine: ModelRunner, mode: str, jobs, args) -> dict:
         buckets=(args.max_prompt,),
         mode=mode,
     )
-    sched = NativeCore(engine, cfg)
+    sched = NativeCore(runner, cfg)
     steps, peak_blocks, peak_tokens = 0, 0, 0
 
     def watch(output: StepOutput) -> None:  # the pool at its fullest, after each forward pass
         nonlocal steps, peak_blocks, peak_tokens
         steps += len(output.batches)
-        if sched.allocator.num_used_blocks > peak_blocks:
-            peak_blocks, peak_tokens = sched.allocator.num_used_blocks, sched.allocator.num_tokens_stored
+        if sched.scheduler.allocator.num_used_blocks > peak_blocks:
+            peak_blocks, peak_tokens = (
+                sched.scheduler.allocator.num_used_blocks,
+                sched.scheduler.allocator.num_tokens_stored,
+            )
 
     seqs, arrivals = [], []
     for i, (ids, new) in enumerate(jobs):
@@ -60,20 +63,20 @@ def run_mode(engine: ModelRunner, mode: str, jobs, args) -> dict:
             key=req.id,
             request=req,
             prompt_ids=ids,
-            tokenizer=engine.tokenizer,
-            eos_ids=engine.eos_token_ids,
+            tokenizer=runner.tokenizer,
+            eos_ids=runner.eos_token_ids,
             enqueued_wall=time.time(),
         )
         arrivals.append((0.0, seq))
         seqs.append(seq)
-    wall = run_offline(sched, arrivals, on_step=watch)
+    wall = finished_in(run_offline(sched, arrivals, on_step=watch))
     generated = sum(len(s.generated) for s in seqs)
     sched.check_idle()
     capacity = sched.capacity()
     contiguous_max = capacity.contiguous_bytes(args.max_batch_size, args.max_seq_len)
     longest = max(len(ids) + new for ids, new in jobs)
     contiguous_workload = capacity.contiguous_bytes(args.max_batch_size, longest)
-    paged = peak_blocks * engine.bytes_per_block
+    paged = peak_blocks * runner.bytes_per_block
     return {
         "mode": mode,
         "requests": len(jobs),
@@ -84,7 +87,7 @@ def run_mode(engine: ModelRunner, mode: str, jobs, args) -> dict:
         "preemptions": sched.scheduler.preemptions,
         "kv_peak_blocks": peak_blocks,
         "kv_peak_tokens_stored": peak_tokens,
-        "kv_peak_slots_allocated": peak_blocks * engine.block_size,
+        "kv_peak_slots_allocated": peak_blocks * runner.block_size,
         "kv_paged_peak_bytes": paged,
         "kv_contiguous_max_seq_len_bytes": contiguous_max,
         "kv_contiguous_longest_request_bytes": contiguous_workload,
@@ -109,12 +112,14 @@ def main() -> None:
     args = p.parse_args()
 
     model = model_or_built(args.model)
-    engine = ModelRunner(
-        model, device="cpu", dtype=args.dtype, kv=KVCacheConfig(block_size=args.block_size, num_blocks=4096)
+    runner = ModelRunner(
+        EngineConfig(model=model, device="cpu", dtype=args.dtype),
+        KVCacheConfig(block_size=args.block_size, num_blocks=4096),
+        DynamicBatchingConfig(),
     )
-    jobs = workload(args.requests, args.seed, args.max_prompt, args.max_new, engine.vocab_size)
-    run_mode(engine, "dynamic", jobs[:4], args)  # warm-up: first-call allocations, thread pools
-    rows = [run_mode(engine, mode, jobs, args) for mode in args.modes.split(",")]
+    jobs = workload(args.requests, args.seed, args.max_prompt, args.max_new, runner.vocab_size)
+    run_mode(runner, "dynamic", jobs[:4], args)  # warm-up: first-call allocations, thread pools
+    rows = [run_mode(runner, mode, jobs, args) for mode in args.modes.split(",")]
     for row in rows:
         print(json.dumps(row))
     by_mode = {row["mode"]: row for row in rows}

@@ -21,9 +21,9 @@ from bench.workload import Req, make_workload
 from tokenfleet.models import SIZES
 
 
-def serve_burst(engine, reqs: list[Req], budget: int, max_batch_size: int) -> dict:
+def serve_burst(runner, reqs: list[Req], budget: int, max_batch_size: int) -> dict:
     from tokenfleet.config import DynamicBatchingConfig
-    from tokenfleet.core.offline import run_offline
+    from tokenfleet.core.offline import finished_in, run_offline
     from tokenfleet.core.sequence import SeqState
     from tokenfleet.engines.native.core import NativeCore
     from tokenfleet.protocol import Request
@@ -37,13 +37,13 @@ def serve_burst(engine, reqs: list[Req], budget: int, max_batch_size: int) -> di
         buckets=(2 * longest,),
         max_prefill_tokens=budget,
     )
-    sched = NativeCore(engine, batching)
+    sched = NativeCore(runner, batching)
     seqs = []
     for i, r in enumerate(reqs):
         request = Request(
             id=f"r{i}", input_ids=tuple(r.prompt_ids), max_new_tokens=r.max_new_tokens, ignore_eos=True
         )
-        seq = SeqState(i, request, list(r.prompt_ids), engine.tokenizer, engine.eos_token_ids, time.time())
+        seq = SeqState(i, request, list(r.prompt_ids), runner.tokenizer, runner.eos_token_ids, time.time())
         seqs.append((0.0, seq))
     first: dict[int, float] = {}
     start = time.perf_counter()
@@ -51,7 +51,7 @@ def serve_burst(engine, reqs: list[Req], budget: int, max_batch_size: int) -> di
     def on_token(out) -> None:
         first.setdefault(out.seq.key, time.perf_counter() - start)
 
-    wall = run_offline(sched, seqs, on_token)
+    wall = finished_in(run_offline(sched, seqs, on_token))
     tokens = sum(r.max_new_tokens for r in reqs)
     ttft = sorted(first.values())
     return {
@@ -77,22 +77,24 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     args = p.parse_args()
 
-    from tokenfleet.config import KVCacheConfig
+    from tokenfleet.config import DynamicBatchingConfig, EngineConfig, KVCacheConfig
     from tokenfleet.engines.native.runner import ModelRunner
 
     model_dir = model_or_built(args.model, args.size)
     reqs = make_workload("fixed", args.requests, args.prompt_len, args.new_tokens, 0.0, 0)
     kv = KVCacheConfig(num_blocks=pool_blocks(reqs, args.requests))
-    engine = ModelRunner(
-        model_dir, dtype=args.dtype, kv=kv, compile=args.compile, max_batch_size=args.requests
+    runner = ModelRunner(
+        EngineConfig(model=model_dir, dtype=args.dtype, compile=args.compile),
+        kv,
+        DynamicBatchingConfig(max_batch_size=args.requests),
     )
-    engine.warm_up()
+    runner.warm_up()
     budgets = [int(b) for b in args.budgets.split(",")]
-    serve_burst(engine, reqs[:2], budgets[0], args.requests)  # warm-up
+    serve_burst(runner, reqs[:2], budgets[0], args.requests)  # warm-up
     runs: dict[int, list[dict]] = {b: [] for b in budgets}
     for _ in range(args.rounds):
         for budget in budgets:
-            run = serve_burst(engine, reqs, budget, args.requests)
+            run = serve_burst(runner, reqs, budget, args.requests)
             runs[budget].append(run)
             print(json.dumps(run), flush=True)
     model = args.model or args.size

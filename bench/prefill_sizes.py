@@ -39,7 +39,7 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     args = p.parse_args()
 
-    from tokenfleet.config import KVCacheConfig
+    from tokenfleet.config import EngineConfig, KVCacheConfig
     from tokenfleet.engines.native.runner import ModelRunner
 
     model_dir = model_or_built(args.model, args.size)
@@ -49,15 +49,17 @@ def main() -> None:
 
     workloads = [workload(1000 + seed) for seed in range(args.rounds)]
     kv = KVCacheConfig(num_blocks=pool_blocks([r for reqs in workloads for r in reqs], args.max_batch_size))
-    engine = ModelRunner(
-        model_dir, dtype=args.dtype, kv=kv, compile=args.compile, max_batch_size=args.max_batch_size
+    runner = ModelRunner(
+        EngineConfig(model=model_dir, dtype=args.dtype, compile=args.compile),
+        kv,
+        DynamicBatchingConfig(max_batch_size=args.max_batch_size),
     )
-    engine.warm_up()
+    runner.warm_up()
     runs: dict[bool, list[dict]] = {True: [], False: []}
     for seed, reqs in enumerate(workloads):
         for rounded in (True, False) if seed % 2 else (False, True):
-            engine.pad_prefill = rounded
-            run = serve_burst(engine, reqs, args.max_prefill_tokens, args.max_batch_size)
+            runner.pad_prefill = rounded
+            run = serve_burst(runner, reqs, args.max_prefill_tokens, args.max_batch_size)
             run = {"rounded_sizes": rounded, "round": seed, **run}
             runs[rounded].append(run)
             print(json.dumps(run), flush=True)

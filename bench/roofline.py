@@ -106,8 +106,8 @@ def time_kernel_linear(m: int, k: int, n: int, seconds: float) -> float:
     FMA kernel and the AMX tiles (0 where neither runs here)."""
     import torch
 
-    from tokenfleet.engines.native.amx_linear import AmxLinear, amx_kernel_available
-    from tokenfleet.engines.native.bf16_linear import KernelLinear, bf16_kernel_available
+    from tokenfleet.engines.native.linear.amx import AmxLinear, amx_kernel_available
+    from tokenfleet.engines.native.linear.bf16 import KernelLinear, bf16_kernel_available
 
     x = torch.randn(m, k).to(torch.bfloat16)
     speed = 0.0

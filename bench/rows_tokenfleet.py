@@ -32,21 +32,19 @@ class InProcessEngine:
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         device: str = "cpu",
     ):
-        from tokenfleet.config import KVCacheConfig
+        from tokenfleet.config import DynamicBatchingConfig, EngineConfig, KVCacheConfig
         from tokenfleet.engines.native.runner import ModelRunner
 
         self.reqs = reqs  # the workload its KV pool is sized for
         kv = KVCacheConfig(num_blocks=pool_blocks(reqs, max_batch_size))
-        self.engine = ModelRunner(
-            model_dir,
-            device=device,
-            dtype=dtype,
-            kv=kv,
-            compile=compile,
-            max_batch_size=max_batch_size,
-            bf16_linear=pinned_bf16_linear(),
+        self.runner = ModelRunner(
+            EngineConfig(
+                model=model_dir, device=device, dtype=dtype, compile=compile, bf16_linear=pinned_bf16_linear()
+            ),
+            kv,
+            DynamicBatchingConfig(max_batch_size=max_batch_size),
         )
-        self.engine.warm_up()  # compiles (when asked) before the clock starts, as the worker does
+        self.runner.warm_up()  # compiles (when asked) before the clock starts, as the worker does
         self.batching = DynamicBatchingConfig(
             mode="continuous",
             max_wait_ms=0,
@@ -69,12 +67,12 @@ class InProcessEngine:
         return traces, time.perf_counter() - start
 
     def _serve(self, batch: list[tuple[Req, Trace]]) -> None:
-        from tokenfleet.core.offline import run_offline
+        from tokenfleet.core.offline import finished_in, run_offline
         from tokenfleet.core.sequence import SeqState
         from tokenfleet.engines.native.core import NativeCore
         from tokenfleet.protocol import Request
 
-        engine = self.engine
+        runner = self.runner
 
         def seq(i: int, req: Req, arrival: float) -> SeqState:
             request = Request(
@@ -83,7 +81,7 @@ class InProcessEngine:
                 max_new_tokens=req.max_new_tokens,
                 ignore_eos=True,
             )
-            return SeqState(i, request, list(req.prompt_ids), engine.tokenizer, engine.eos_token_ids, arrival)
+            return SeqState(i, request, list(req.prompt_ids), runner.tokenizer, runner.eos_token_ids, arrival)
 
         def on_token(out) -> None:
             trace = batch[out.seq.key][1]
@@ -94,7 +92,7 @@ class InProcessEngine:
         for req, trace in batch:
             trace.arrival = start + req.arrival_s
         arrivals = [(req.arrival_s, seq(i, req, start + req.arrival_s)) for i, (req, _) in enumerate(batch)]
-        run_offline(NativeCore(engine, self.batching), arrivals, on_token)
+        finished_in(run_offline(NativeCore(runner, self.batching), arrivals, on_token))
 
 
 def run_engine(*args: Any, **kwargs: Any) -> dict:

@@ -157,14 +157,18 @@ def main() -> None:
 
     import torch
 
-    from tokenfleet.config import KVCacheConfig
+    from tokenfleet.config import DynamicBatchingConfig, EngineConfig, KVCacheConfig
     from tokenfleet.engines.native.runner import ModelRunner
 
     batches = [int(b) for b in args.batches.split(",")]
     model = model_or_built(args.model, args.size)
     per_seq = -(-(args.prompt_len + args.repeats + 8) // 16)
     kv = KVCacheConfig(block_size=16, num_blocks=max(batches) * per_seq + 1)
-    runner = ModelRunner(model, device="cpu", dtype=args.dtype, kv=kv, max_batch_size=max(batches))
+    runner = ModelRunner(
+        EngineConfig(model=model, device="cpu", dtype=args.dtype),
+        kv,
+        DynamicBatchingConfig(max_batch_size=max(batches)),
+    )
     facts = {"model": model, "dtype": args.dtype, "host": host_kind(), "threads": torch.get_num_threads()}
     for phase in args.phases.split(","):
         for batch in batches:

@@ -46,7 +46,7 @@ TOPICS = ["a painter", "a sailor", "a baker", "a pilot", "a nurse", "a farmer", 
 def burst(runner, batching, grammars, requests) -> tuple[list[list[int]], float]:
     """Serve ``requests`` at once on a core of their own (no prefix cache from the last burst) with
     ``grammars``, the compiled grammars a worker keeps for life; their tokens and the wall time."""
-    from tokenfleet.core.offline import run_offline
+    from tokenfleet.core.offline import finished_in, run_offline
     from tokenfleet.core.sequence import SeqState
     from tokenfleet.engines.native.core import NativeCore
 
@@ -61,7 +61,7 @@ def burst(runner, batching, grammars, requests) -> tuple[list[list[int]], float]
             SeqState(i, request, ids, runner.tokenizer, runner.eos_token_ids, time.time(), matcher=matcher)
         )
     start = time.perf_counter()
-    run_offline(core, [(0.0, seq) for seq in seqs])
+    finished_in(run_offline(core, [(0.0, seq) for seq in seqs]))
     return [list(seq.generated) for seq in seqs], time.perf_counter() - start
 
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args(argv)
 
-    from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
+    from tokenfleet.config import DynamicBatchingConfig, EngineConfig, KVCacheConfig
     from tokenfleet.core.vocab import render_chat
     from tokenfleet.engines.native.core import NativeCore
     from tokenfleet.engines.native.runner import ModelRunner
@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     model = model_or_built(args.model, "small")
     pin_bf16_linear_route(args.dtype)
     runner = ModelRunner(
-        model, dtype=args.dtype, kv=KVCacheConfig(num_blocks=64 * args.requests), max_batch_size=32
+        EngineConfig(model=model, dtype=args.dtype),
+        KVCacheConfig(num_blocks=64 * args.requests),
+        DynamicBatchingConfig(max_batch_size=32),
     )
     runner.warm_up()
     batching = DynamicBatchingConfig(

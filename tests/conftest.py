@@ -25,7 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import redis  # noqa: E402
 
-from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig, worker_config  # noqa: E402
+from tokenfleet.config import DynamicBatchingConfig, EngineConfig, KVCacheConfig, worker_config  # noqa: E402
 from tokenfleet.protocol import Keys  # noqa: E402
 from tokenfleet.transport.embedded import EmbeddedRedis, answers  # noqa: E402
 
@@ -46,9 +46,9 @@ def missing(what: str, reason: str) -> NoReturn:
 @pytest.fixture(scope="session")
 def kernels() -> None:
     """The CPU kernels, built (or loaded) for this machine."""
-    from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
+    from tokenfleet.engines.native.kernels.loader import load_kernels
 
-    if paged_attention_kernels() is None:
+    if load_kernels() is None:
         missing("the CPU kernels", "the CPU kernels did not build here (a C++ compiler and ninja?)")
 
 
@@ -131,12 +131,25 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny"))
 
 
-@pytest.fixture(scope="session")
-def engine(tiny_model: str):
-    """One fp32 engine (greedy equivalence is checked in fp32: bf16 batched shapes round differently)."""
+def make_runner(
+    model_dir: str,
+    kv: KVCacheConfig | None = None,
+    batching: DynamicBatchingConfig | None = None,
+    **engine: object,
+):
+    """A native model runner of ``model_dir`` built as a worker builds it, from config objects:
+    ``engine`` holds :class:`EngineConfig` fields; ``kv`` and ``batching`` default to theirs."""
     from tokenfleet.engines.native.runner import ModelRunner
 
-    return ModelRunner(
+    engine_config = EngineConfig(model=str(model_dir), **engine)  # type: ignore[arg-type]
+    return ModelRunner(engine_config, kv or KVCacheConfig(), batching or DynamicBatchingConfig())
+
+
+@pytest.fixture(scope="session")
+def runner(tiny_model: str):
+    """One fp32 runner for the test run, never changed by a test (greedy equivalence is checked in
+    fp32: bf16 batched shapes round differently). A test that changes a runner builds its own."""
+    return make_runner(
         tiny_model, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=2048)
     )
 
@@ -202,7 +215,7 @@ class RecordingCore:
 class RunningWorker:
     """A worker serving in a thread of the test process, stopped (and checked) on exit."""
 
-    def __init__(self, engine, redis_url: str, prefix: str, batching: DynamicBatchingConfig, core=None, **kw):
+    def __init__(self, runner, redis_url: str, prefix: str, batching: DynamicBatchingConfig, core=None, **kw):
         """``engine``: a native model runner, served by a fresh scheduler; or ``core``: any engine
         core (the vLLM one) built for ``batching``. ``kw``: worker settings by flag name."""
         from tokenfleet.engines.native.core import NativeCore
@@ -210,7 +223,7 @@ class RunningWorker:
 
         config = worker_config(redis_url=redis_url, prefix=prefix, **kw)
         config = dataclasses.replace(config, batching=batching)
-        self.core = RecordingCore(core or NativeCore(engine, batching))
+        self.core = RecordingCore(core or NativeCore(runner, batching))
         self.worker = Worker(config, core=self.core)
         self.thread = threading.Thread(target=self.worker.run, daemon=True)
 
@@ -245,10 +258,10 @@ class RunningWorker:
 
 
 @pytest.fixture
-def run_worker(engine, redis_url, prefix):
+def run_worker(runner, redis_url, prefix):
     def start(batching: DynamicBatchingConfig | None = None, **kw) -> RunningWorker:
         return RunningWorker(
-            engine,
+            runner,
             redis_url,
             prefix,
             batching
@@ -367,7 +380,7 @@ INTEGRATION_FIXTURES = {
     "prefix",
     "tiny_model",
     "model_path",
-    "engine",
+    "runner",
     "reference",
     "run_worker",
     "smollm2",
@@ -380,9 +393,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     """``cpu_kernel(available, reason)``: the kernels must have built (else :func:`missing`); the
     test is skipped where they did but this CPU lacks what ``available()`` checks for."""
     for mark in item.iter_markers("cpu_kernel"):
-        from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
+        from tokenfleet.engines.native.kernels.loader import load_kernels
 
-        if paged_attention_kernels() is None:
+        if load_kernels() is None:
             missing("the CPU kernels", "the CPU kernels did not build here (a C++ compiler and ninja?)")
         available, reason = mark.args
         if not available():
@@ -400,9 +413,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     clock starts, so that the 60 s per-test timeout measures the tests and not the first-time set-up."""
     items = session.items
     if any(item.get_closest_marker("integration") for item in items):
-        from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
+        from tokenfleet.engines.native.kernels.loader import load_kernels
 
-        paged_attention_kernels()
+        load_kernels()
     if any("smollm2" in getattr(item, "fixturenames", ()) for item in items):
         from tokenfleet.models.catalog import FetchError, get_model
 

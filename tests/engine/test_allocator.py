@@ -16,7 +16,7 @@ def tokens(n: int, start: int = 100) -> list[int]:
 
 
 def test_allocate_hands_out_lowest_free_blocks_in_order():
-    a = BlockAllocator(num_blocks=6, block_size=4)
+    a = BlockAllocator(num_blocks=6, block_size=4, prefix_caching=True)
     assert a.allocate("x", tokens(5)) == Allocation([0, 1], 0)
     assert a.allocate("y", tokens(4, 200)) == Allocation([2], 0)
     assert a.num_free_blocks == 3 and a.num_used_blocks == 3
@@ -25,7 +25,7 @@ def test_allocate_hands_out_lowest_free_blocks_in_order():
 
 
 def test_append_slot_grows_into_a_new_block_at_the_boundary():
-    a = BlockAllocator(num_blocks=4, block_size=2)
+    a = BlockAllocator(num_blocks=4, block_size=2, prefix_caching=True)
     a.allocate("x", tokens(2))  # block 0 full
     assert a.append_slot("x", 7) == 1 * 2 + 0  # new block 1, offset 0
     assert a.append_slot("x", 8) == 1 * 2 + 1
@@ -34,7 +34,7 @@ def test_append_slot_grows_into_a_new_block_at_the_boundary():
 
 
 def test_exhaustion_is_a_value_not_an_exception():
-    a = BlockAllocator(num_blocks=2, block_size=2)
+    a = BlockAllocator(num_blocks=2, block_size=2, prefix_caching=True)
     assert a.allocate("x", tokens(4)).table == [0, 1]
     assert not a.can_allocate(tokens(1, 500))
     assert a.allocate("y", tokens(1, 500)) is None
@@ -44,7 +44,7 @@ def test_exhaustion_is_a_value_not_an_exception():
 
 
 def test_freed_blocks_are_reused_unnamed_first_then_least_recently_used():
-    a = BlockAllocator(num_blocks=5, block_size=2)
+    a = BlockAllocator(num_blocks=5, block_size=2, prefix_caching=True)
     a.allocate("x", tokens(3))  # [0 (full: named), 1 (partial)]
     a.allocate("y", tokens(2, 200))  # [2 (named)]
     a.free("x")  # free list: 1 (unnamed, reused first), 3, 4, 0 (named, reused last)
@@ -64,14 +64,14 @@ def test_without_prefix_caching_nothing_is_named_or_shared():
 
 
 def test_can_allocate_respects_reserve_and_room_for_more_tokens():
-    a = BlockAllocator(num_blocks=4, block_size=4)
+    a = BlockAllocator(num_blocks=4, block_size=4, prefix_caching=True)
     assert a.can_allocate(tokens(8), reserve_blocks=1)  # two blocks, and room for a ninth token
     assert not a.can_allocate(tokens(8), reserve_blocks=2)
     assert a.can_allocate(tokens(8), reserve_blocks=2, extra_tokens=0)
 
 
 def test_misuse_raises():
-    a = BlockAllocator(num_blocks=4, block_size=4)
+    a = BlockAllocator(num_blocks=4, block_size=4, prefix_caching=True)
     a.allocate("x", tokens(1))
     with pytest.raises(ValueError):
         a.allocate("x", tokens(1))
@@ -82,20 +82,20 @@ def test_misuse_raises():
     with pytest.raises(ValueError):
         a.allocate("y", [])
     with pytest.raises(ValueError):
-        BlockAllocator(0, 4)
+        BlockAllocator(0, 4, prefix_caching=True)
 
 
 def test_integrity_check_catches_a_block_owned_twice_and_a_lost_block():
-    a = BlockAllocator(num_blocks=4, block_size=2)
+    a = BlockAllocator(num_blocks=4, block_size=2, prefix_caching=True)
     a.allocate("x", tokens(2))
     a._tables["x"].append(next(iter(a._free)))  # owned and free at once
     with pytest.raises(RuntimeError):
         a.check_integrity()
-    b = BlockAllocator(num_blocks=4, block_size=2)
+    b = BlockAllocator(num_blocks=4, block_size=2, prefix_caching=True)
     b._free.popitem()  # a block nobody owns
     with pytest.raises(RuntimeError):
         b.check_integrity()
-    c = BlockAllocator(num_blocks=4, block_size=2)
+    c = BlockAllocator(num_blocks=4, block_size=2, prefix_caching=True)
     c.allocate("x", tokens(2))
     c._named.clear()  # a named block the map lost
     with pytest.raises(RuntimeError, match="names"):
@@ -106,7 +106,7 @@ def test_integrity_check_catches_a_block_owned_twice_and_a_lost_block():
 
 
 def test_a_prompt_reuses_the_cached_blocks_it_begins_with_and_computes_the_rest():
-    a = BlockAllocator(num_blocks=10, block_size=4)
+    a = BlockAllocator(num_blocks=10, block_size=4, prefix_caching=True)
     system = tokens(8)  # two full blocks
     assert a.allocate("x", system + [1, 2, 3]) == Allocation([0, 1, 2], 0)
     assert a.allocate("y", system + [4, 5]) == Allocation([0, 1, 3], 8)  # shared, then its own
@@ -121,7 +121,7 @@ def test_a_prompt_reuses_the_cached_blocks_it_begins_with_and_computes_the_rest(
 
 
 def test_the_last_token_is_always_computed_and_names_chain_from_the_first_block():
-    a = BlockAllocator(num_blocks=10, block_size=4)
+    a = BlockAllocator(num_blocks=10, block_size=4, prefix_caching=True)
     a.allocate("x", tokens(8))
     assert a.allocate("same", tokens(8)).cached_tokens == 4  # its logits need its last token
     assert a.allocate("shifted", [0] + tokens(8)).cached_tokens == 0  # same tokens, other positions
@@ -130,7 +130,7 @@ def test_the_last_token_is_always_computed_and_names_chain_from_the_first_block(
 
 
 def test_blocks_filled_by_decoding_are_named_too():
-    a = BlockAllocator(num_blocks=10, block_size=2)
+    a = BlockAllocator(num_blocks=10, block_size=2, prefix_caching=True)
     a.allocate("x", [1, 2, 3])
     a.append_slot("x", 4)  # fills the second block: [1 2] [3 4]
     a.append_slot("x", 5)
@@ -140,7 +140,7 @@ def test_blocks_filled_by_decoding_are_named_too():
 
 
 def test_a_shared_block_stays_held_while_any_holder_runs():
-    a = BlockAllocator(num_blocks=5, block_size=2)
+    a = BlockAllocator(num_blocks=5, block_size=2, prefix_caching=True)
     a.allocate("x", [1, 2, 3])
     a.allocate("y", [1, 2, 4])
     a.free("x")
@@ -151,7 +151,7 @@ def test_a_shared_block_stays_held_while_any_holder_runs():
 
 
 def test_blocks_to_take_counts_cached_blocks_that_leave_the_free_list():
-    a = BlockAllocator(num_blocks=6, block_size=2)
+    a = BlockAllocator(num_blocks=6, block_size=2, prefix_caching=True)
     a.allocate("x", [1, 2, 3, 4, 5])
     a.free("x")  # [1 2] [3 4] cached, on the free list
     assert a.blocks_to_take([1, 2, 3, 4, 9]) == 3  # two cached come off the free list, one new
@@ -161,7 +161,7 @@ def test_blocks_to_take_counts_cached_blocks_that_leave_the_free_list():
 
 
 def test_a_failed_step_forgets_the_names_of_blocks_it_was_to_fill():
-    a = BlockAllocator(num_blocks=6, block_size=2)
+    a = BlockAllocator(num_blocks=6, block_size=2, prefix_caching=True)
     a.allocate("x", [1, 2, 3, 4, 5])
     a.confirm()
     a.allocate("y", [1, 2, 3, 4, 6, 7, 8])  # names [6 7]; shares the rest
@@ -180,7 +180,7 @@ def test_any_sequence_of_operations_keeps_the_pool_consistent(operations):
     """Random allocations over a small alphabet (many shared prefixes), appends and frees on a
     small pool: the integrity check holds after every one, and a cached block is only reused for
     the very tokens it holds (checked against each sequence's own record)."""
-    a = BlockAllocator(num_blocks=8, block_size=2)
+    a = BlockAllocator(num_blocks=8, block_size=2, prefix_caching=True)
     contents: dict[int, tuple] = {}  # block -> the (position, tokens) written there
     live: dict[str, list[int]] = {}
     for n, (kind, toks) in enumerate(operations):

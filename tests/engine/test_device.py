@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from tokenfleet.engines.native import bf16_linear, device
+from tokenfleet.engines.native import device
+from tokenfleet.engines.native.linear import bf16 as bf16_linear
 
 
 def test_auto_is_bf16_where_the_cpu_has_it_without_timing_anything(monkeypatch, caplog):

@@ -6,14 +6,13 @@ import time
 import zlib
 
 import pytest
-from conftest import TEST_DEVICE
+from conftest import TEST_DEVICE, make_runner
 
 from tokenfleet.batcher import Batcher, PendingRequest
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
 from tokenfleet.core.lanes import pick_victim, victims_for
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.engines.native.core import NativeCore
-from tokenfleet.engines.native.runner import ModelRunner
 from tokenfleet.kvcache.allocator import BlockAllocator
 from tokenfleet.protocol import Keys, Request
 from tokenfleet.protocol.affinity import SHARDS
@@ -100,7 +99,7 @@ def seq(key, lane, prompt_len, allocator=None):
 
 
 def test_victims_are_lower_lanes_youngest_first_and_only_if_that_makes_room():
-    alloc = BlockAllocator(num_blocks=10, block_size=4)
+    alloc = BlockAllocator(num_blocks=10, block_size=4, prefix_caching=True)
     old_batch = seq("old-batch", BATCH, 8, alloc)  # 2 blocks
     interactive = seq("interactive", INTERACTIVE, 8, alloc)  # 2 blocks
     young_batch = seq("young-batch", BATCH, 12, alloc)  # 3 blocks
@@ -118,7 +117,7 @@ def test_victims_are_lower_lanes_youngest_first_and_only_if_that_makes_room():
     assert victims_for(alloc, running, seq("huge", INTERACTIVE, 30), admitted_now=0) == []
 
 
-def lane_seq(engine, reference, key, prompt, lane, max_new):
+def lane_seq(runner, reference, key, prompt, lane, max_new):
     request = Request(
         id=key,
         prompt=prompt,
@@ -126,11 +125,11 @@ def lane_seq(engine, reference, key, prompt, lane, max_new):
         ignore_eos=True,
         priority=("interactive", "batch")[lane],
     )
-    return SeqState(key, request, reference.ids(prompt), engine.tokenizer, engine.eos_token_ids, time.time())
+    return SeqState(key, request, reference.ids(prompt), runner.tokenizer, runner.eos_token_ids, time.time())
 
 
 def test_full_pool_preempts_the_batch_lane_for_interactive_and_output_still_matches(tiny_model, reference):
-    small = ModelRunner(
+    small = make_runner(
         tiny_model, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=20)
     )
     cfg = DynamicBatchingConfig(
@@ -145,7 +144,7 @@ def test_full_pool_preempts_the_batch_lane_for_interactive_and_output_still_matc
     for s in batch:
         assert sched.add(s, clock()) is None
     urgent = lane_seq(small, reference, "i0", "tokenflt", INTERACTIVE, 6)
-    alloc = sched.allocator
+    alloc = sched.scheduler.allocator
     for _ in range(40):  # the batch lane grows until the pool has no room left for the newcomer
         sched.step()
         clock.now += 0.01

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tokenfleet.engines.native.sampling import choose_tokens, sample, uniform  # noqa: E402
+from tokenfleet.engines.native.sampling.draw import choose_tokens, sample, uniform  # noqa: E402
 
 
 class Row:

@@ -5,7 +5,7 @@ answered; the streamed text equals the tokenizer's decode over random token sequ
 import time
 
 import pytest
-from conftest import TEST_DEVICE, Reference
+from conftest import TEST_DEVICE, Reference, make_runner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,9 +24,8 @@ QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is
 
 @pytest.fixture(scope="module")
 def runner(smollm2):
-    from tokenfleet.engines.native.runner import ModelRunner
 
-    return ModelRunner(smollm2, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(num_blocks=256))
+    return make_runner(smollm2, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(num_blocks=256))
 
 
 @pytest.fixture(scope="module")
@@ -177,10 +176,8 @@ def test_kill_9_mid_chat_another_worker_resumes_on_smollm2(
 def test_greedy_equals_generate_on_smollm2_with_preemption(smollm2, reference):
     from test_engine import drain
 
-    from tokenfleet.engines.native.runner import ModelRunner
-
     # 24 blocks of 4 tokens: two ~36-token chats fit (10 blocks each), then both grow by 6 blocks
-    small = ModelRunner(
+    small = make_runner(
         smollm2, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=24)
     )
     cfg = DynamicBatchingConfig(

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
-from conftest import RunningWorker
+from conftest import RunningWorker, make_runner
 
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
 from tokenfleet.core.vocab import render_chat
@@ -72,9 +72,8 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def runner(smollm2):
-    from tokenfleet.engines.native.runner import ModelRunner
 
-    return ModelRunner(smollm2, device="cpu", dtype="float32", kv=KVCacheConfig(num_blocks=1024))
+    return make_runner(smollm2, device="cpu", dtype="float32", kv=KVCacheConfig(num_blocks=1024))
 
 
 def chat_ids(tokenizer, text):
@@ -175,7 +174,7 @@ def test_constrained_greedy_equals_generate_with_the_full_mask_whichever_way_it_
             matcher = core.output_constraint(request)
             tok, eos = runner.tokenizer, runner.eos_token_ids
             seqs.append(SeqState(request.id, request, list(ids), tok, eos, time.time(), matcher=matcher))
-    run_offline(core, [(0.0, seq) for seq in seqs])
+    assert not run_offline(core, [(0.0, seq) for seq in seqs]).failed
     for n, want in enumerate(expected):
         assert [list(seqs[2 * n].generated), list(seqs[2 * n + 1].generated)] == [want, want]
     masks = runner.grammar_masks

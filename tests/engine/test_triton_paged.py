@@ -15,8 +15,8 @@ pytest.importorskip("triton")
 
 from conftest import TEST_DEVICE  # noqa: E402
 
-from tokenfleet.engines.native import triton_paged  # noqa: E402
-from tokenfleet.engines.native.attention import paged_attention_op  # noqa: E402
+from tokenfleet.engines.native.attention import triton_paged  # noqa: E402
+from tokenfleet.engines.native.attention.paged import paged_attention_op  # noqa: E402
 from tokenfleet.kvcache.store import PagedKVStore  # noqa: E402
 
 
@@ -97,7 +97,7 @@ def test_the_attention_op_writes_by_slot_then_attends_with_the_kernel(kernel_dev
 COMPILE_FOR_HOPPER = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from tokenfleet.engines.native import triton_paged
+from tokenfleet.engines.native.attention import triton_paged
 strides = ("qb", "qh", "block", "token", "head", "table", "ob", "oh")
 signature = {
     **{name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")},

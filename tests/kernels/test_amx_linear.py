@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenfleet.engines.native import amx_linear, cpu_linear
-from tokenfleet.engines.native.amx_linear import AMX_MAX_ROWS, AmxLinear
+from tokenfleet.engines.native.linear import amx as amx_linear
+from tokenfleet.engines.native.linear import routes as cpu_linear
+from tokenfleet.engines.native.linear.amx import AMX_MAX_ROWS, AmxLinear
 
 needs_amx = linear_kernels.needs_kernel(
     amx_linear.amx_kernel_available,

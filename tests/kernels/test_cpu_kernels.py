@@ -186,13 +186,13 @@ def test_an_installed_package_carries_every_kernel_source():
     import tomllib
     from pathlib import Path
 
-    from tokenfleet.engines.native import cpu_kernels
+    from tokenfleet.engines.native.kernels import build as kernel_build
 
     root = Path(__file__).resolve().parents[2]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    shipped = globs["tokenfleet.engines.native"]
-    package_dir = Path(cpu_kernels.__file__).parent
-    for path in cpu_kernels.CSRC.iterdir():
+    shipped = globs["tokenfleet.engines.native.kernels"]
+    package_dir = Path(kernel_build.__file__).parent
+    for path in kernel_build.CSRC.iterdir():
         relative = path.relative_to(package_dir).as_posix()
         assert any(fnmatch.fnmatch(relative, glob) for glob in shipped), relative
-    assert set(cpu_kernels.SOURCES + cpu_kernels.HEADERS) == set(cpu_kernels.CSRC.iterdir())
+    assert set(kernel_build.SOURCES + kernel_build.HEADERS) == set(kernel_build.CSRC.iterdir())

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenfleet.config import EngineConfig
-from tokenfleet.engines.native import bf16_linear, cpu_linear
-from tokenfleet.engines.native.cpu_linear import onednn_linears_wanted, pack_linears
-from tokenfleet.engines.native.onednn_linear import PackedLinear
+from tokenfleet.engines.native.linear import bf16 as bf16_linear
+from tokenfleet.engines.native.linear import routes as cpu_linear
+from tokenfleet.engines.native.linear.onednn import PackedLinear
+from tokenfleet.engines.native.linear.routes import onednn_linears_wanted, pack_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -229,7 +230,7 @@ def test_auto_takes_the_bf16_kernel_only_where_it_measures_fastest(monkeypatch, 
     cpu = torch.device("cpu")
     # as on a Zen 4 EPYC: faster at 32 rows, level at 512
     monkeypatch.setattr(cpu_linear, "bf16_linear_speeds", fixed_speeds((0.8, 0.5), (1.0, 0.5)))
-    with caplog.at_level(logging.INFO, logger="tokenfleet.engines.native.cpu_linear"):
+    with caplog.at_level(logging.INFO, logger="tokenfleet.engines.native.linear.routes"):
         assert cpu_linear.bf16_kernel_wanted(cpu, torch.bfloat16)
     assert "1.25x the fastest oneDNN GEMM" in caplog.text and "taken" in caplog.text
     # as on an AMX Xeon: oneDNN's tiles four times faster on prefill rows
@@ -253,7 +254,7 @@ def test_auto_takes_the_bf16_kernel_only_where_it_measures_fastest(monkeypatch, 
 
 def test_without_avx512_or_avx2_the_kernel_is_never_taken(monkeypatch, caplog):
     monkeypatch.setattr(cpu_linear, "bf16_kernel_available", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="tokenfleet.engines.native.cpu_linear"):
+    with caplog.at_level(logging.WARNING, logger="tokenfleet.engines.native.linear.routes"):
         assert not cpu_linear.bf16_kernel_wanted(torch.device("cpu"), torch.bfloat16, "kernel")
     assert "lacks AVX-512 and AVX2" in caplog.text
 

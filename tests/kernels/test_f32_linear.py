@@ -9,13 +9,14 @@ import linear_kernels
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_runner
 from linear_kernels import AGREEMENT_PROMPTS
 from torch import nn
 
 from tokenfleet.config import EngineConfig
-from tokenfleet.engines.native import f32_linear
-from tokenfleet.engines.native.cpu_linear import linear_route, pack_linears
-from tokenfleet.engines.native.f32_linear import F32KernelLinear, f32_kernel_wanted
+from tokenfleet.engines.native.linear import f32 as f32_linear
+from tokenfleet.engines.native.linear.f32 import F32KernelLinear, f32_kernel_wanted
+from tokenfleet.engines.native.linear.routes import linear_route, pack_linears
 
 CPU = torch.device("cpu")
 
@@ -108,7 +109,7 @@ def test_the_float32_kernel_replaces_the_weights_and_runs_inside_a_compiled_grap
 
 @needs_kernel
 def test_the_routes_are_timed_against_onednn_or_f_linear():
-    from tokenfleet.engines.native.onednn_linear import PackedLinear
+    from tokenfleet.engines.native.linear.onednn import PackedLinear
 
     for rival in (PackedLinear, lambda m: m):
         speeds = f32_linear.f32_linear_speeds(rival, size=64, weights=2, rounds=1)
@@ -161,14 +162,13 @@ def test_the_switch_refuses_typos():
 
 @needs_kernel
 def test_a_float32_engine_on_the_kernel_decodes_as_one_on_onednn(tiny_model):
-    from tokenfleet.engines.native.runner import ModelRunner
 
     tokens, logits = {}, {}
     for route in ("kernel", "onednn"):
-        engine = ModelRunner(tiny_model, device="cpu", dtype="float32", f32_linear=route)
-        kinds = {type(m).__name__ for m in engine.model.modules()}
+        runner = make_runner(tiny_model, device="cpu", dtype="float32", f32_linear=route)
+        kinds = {type(m).__name__ for m in runner.model.modules()}
         assert ("F32KernelLinear" in kinds) is (route == "kernel")
-        tokens[route], logits[route] = linear_kernels.greedy_steps(engine, AGREEMENT_PROMPTS, 8)
+        tokens[route], logits[route] = linear_kernels.greedy_steps(runner, AGREEMENT_PROMPTS, 8)
     assert tokens["kernel"] == tokens["onednn"]
     for a, b in zip(logits["kernel"], logits["onednn"]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
@@ -179,7 +179,7 @@ def test_a_float32_engine_on_the_kernel_decodes_as_one_on_onednn(tiny_model):
 def test_the_linear_kernels_give_the_same_bits_on_one_thread_as_on_several(out_features):
     # a decode batch over an odd number of panels is split by rows instead: each output's sum is
     # still one thread's, in the same order
-    from tokenfleet.engines.native.bf16_linear import KernelLinear
+    from tokenfleet.engines.native.linear.bf16 import KernelLinear
 
     torch.manual_seed(out_features)
     linear = nn.Linear(96, out_features)

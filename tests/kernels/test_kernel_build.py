@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from tokenfleet.engines.native import cpu_kernels
+from tokenfleet.engines.native.kernels import build as kernel_build
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("kernels")]
-ROOT = Path(cpu_kernels.__file__).resolve().parents[3]  # the checkout
-LOAD = "import tokenfleet.engines.native.cpu_kernels as k\nprint(k.__file__, k.paged_attention_kernels())"
+ROOT = Path(kernel_build.__file__).resolve().parents[4]  # the checkout
+LOAD = "import tokenfleet.engines.native.kernels.loader as k\nprint(k.__file__, k.load_kernels())"
 
 
 def built_library() -> Path:
-    found = cpu_kernels.find_build()
+    found = kernel_build.find_build()
     assert found is not None, "the kernels fixture built them"
-    return found / f"{cpu_kernels.NAME}.so"
+    return found / f"{kernel_build.NAME}.so"
 
 
 def copy_package(into: Path) -> None:
@@ -37,7 +37,7 @@ def test_a_second_checkout_reuses_the_build(tmp_path):
     done = subprocess.run(
         [sys.executable, "-c", LOAD], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
-    assert str(tmp_path) in done.stdout and cpu_kernels.NAME in done.stdout, done.stderr[-2000:]
+    assert str(tmp_path) in done.stdout and kernel_build.NAME in done.stdout, done.stderr[-2000:]
     assert built.stat().st_mtime_ns == before, "the second checkout rebuilt the kernels"
 
 
@@ -57,7 +57,7 @@ def test_a_second_virtualenv_and_cache_home_load_the_build_without_compiling(tmp
     done = subprocess.run(
         [str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=120, env=env
     )
-    assert cpu_kernels.NAME in done.stdout and str(venv) in done.stdout, done.stderr[-2000:]
+    assert kernel_build.NAME in done.stdout and str(venv) in done.stdout, done.stderr[-2000:]
     assert "loading the CPU kernels (built on this machine before" in done.stderr, done.stderr[-2000:]
     assert "building" not in done.stderr
     assert built.stat().st_mtime_ns == before, "the second virtualenv rebuilt the kernels"
@@ -72,8 +72,8 @@ def test_a_process_waits_for_another_builder_then_imports_its_build(tmp_path):
     import time
 
     cache = tmp_path / "kernels"
-    build = cache / cpu_kernels.build_key()
-    shutil.copytree(built_library().parent, build, ignore=shutil.ignore_patterns(cpu_kernels.DONE, "*.lock"))
+    build = cache / kernel_build.build_key()
+    shutil.copytree(built_library().parent, build, ignore=shutil.ignore_patterns(kernel_build.DONE, "*.lock"))
     (build / "lock").write_text("")
     env = {**os.environ, "TOKENFLEET_KERNEL_CACHE": str(cache)}
     code = "import logging; logging.basicConfig(level=logging.INFO)\n" + LOAD
@@ -89,11 +89,11 @@ def test_a_process_waits_for_another_builder_then_imports_its_build(tmp_path):
             assert line and time.monotonic() < deadline, "it did not wait for the builder: " + "".join(seen)
             seen.append(line)
         assert waiter.poll() is None, "it did not wait for the builder"
-        (build / cpu_kernels.DONE).write_text(json.dumps({"seconds": 1.0}))
+        (build / kernel_build.DONE).write_text(json.dumps({"seconds": 1.0}))
         fcntl.flock(held, fcntl.LOCK_UN)
     out, rest = waiter.communicate(timeout=120)
     err = "".join(seen) + rest
-    assert cpu_kernels.NAME in out, err[-2000:]
+    assert kernel_build.NAME in out, err[-2000:]
     assert "built the CPU kernels" not in err and "building the CPU kernels:" not in err, err[-2000:]
     assert not (build / "lock").exists()
 
@@ -104,7 +104,7 @@ def test_a_broken_build_fails_the_kernel_tests_under_ci_and_skips_them_elsewhere
     """The C++ sources deliberately broken: under CI the kernel tests fail (CI must provide the
     kernels), on a developer's machine without a compiler they are skipped, saying why."""
     copy_package(tmp_path)
-    for source in (tmp_path / "tokenfleet" / "engines" / "native" / "csrc").glob("*.cpp"):
+    for source in (tmp_path / "tokenfleet" / "engines" / "native" / "kernels" / "csrc").glob("*.cpp"):
         source.write_text("#error deliberately broken by a test\n")  # fails at once, no headers parsed
     (tmp_path / "tests").mkdir()
     shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "tests" / "conftest.py")

@@ -4,6 +4,7 @@ forward against transformers' forward on a whole model."""
 
 import pytest
 import torch
+from conftest import make_runner
 from transformers.models.llama.modeling_llama import (
     LlamaConfig,
     LlamaRMSNorm,
@@ -73,16 +74,15 @@ def test_silu_and_mul_equals_transformers(dtype):
 def test_lean_forward_equals_transformers_forward(tiny_model, dtype):
     from transformers import AutoModelForCausalLM
 
-    from tokenfleet.engines.native.attention import register
+    from tokenfleet.engines.native.attention.paged import register
     from tokenfleet.engines.native.decoder import lean_decoder
-    from tokenfleet.engines.native.runner import ModelRunner
 
-    engine = ModelRunner(tiny_model, device="cpu", dtype=str(dtype).removeprefix("torch."))
-    assert engine.lean is not None
+    runner = make_runner(tiny_model, device="cpu", dtype=str(dtype).removeprefix("torch."))
+    assert runner.lean is not None
     hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=dtype, attn_implementation=register())
     prompts = [list(range(3, 40)), list(range(50, 61)), [7]]
     tables = [[0, 1, 2], [3], [4]]
-    logits = engine.prefill(tables, prompts).logits
+    logits = runner.prefill(tables, prompts).logits
     with torch.inference_mode():
         for row, prompt in enumerate(prompts):
             want = hf(torch.tensor([prompt])).logits[0, -1].float()

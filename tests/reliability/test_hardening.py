@@ -154,7 +154,7 @@ def test_sampling_values_that_underflow_never_fail_a_batch_mate(
 def test_a_row_that_cannot_be_sampled_fails_alone():
     import torch
 
-    from tokenfleet.engines.native.sampling import choose_tokens
+    from tokenfleet.engines.native.sampling.draw import choose_tokens
 
     class Row:
         def __init__(self, temperature):

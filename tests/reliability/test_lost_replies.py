@@ -80,7 +80,7 @@ def test_a_hole_in_a_reply_is_lost_not_a_shorter_result(r, redis_url, prefix):
 
 @pytest.mark.timeout(300)
 def test_requests_across_a_restart_without_persistence_end_whole_or_lost(
-    engine, prefix, reference, redis_server_binary
+    runner, prefix, reference, redis_server_binary
 ):
     """Redis killed and restarted empty while two requests stream and six wait (the sync client
     follows four, the asyncio client four): each caller gets the whole, correct answer or `lost`,
@@ -115,7 +115,7 @@ def test_requests_across_a_restart_without_persistence_end_whole_or_lost(
         ]
 
     try:
-        with RunningWorker(engine, server.url, prefix, batching, claim_idle_ms=2000) as running:
+        with RunningWorker(runner, server.url, prefix, batching, claim_idle_ms=2000) as running:
             client = Client(server.url, prefix=prefix, buckets=[16, 64])
             handles = [
                 client.submit(input_ids=reference.ids(p), max_new_tokens=new, ignore_eos=True)
@@ -153,7 +153,7 @@ def test_requests_across_a_restart_without_persistence_end_whole_or_lost(
 
 @pytest.mark.timeout(300)
 def test_the_gateway_answers_503_lost_when_redis_comes_back_empty(
-    engine, prefix, reference, redis_server_binary, model_path
+    runner, prefix, reference, redis_server_binary, model_path
 ):
     """A whole and a streamed completion wait behind a long request on the only worker; Redis is
     restarted empty: both end with `lost` (503 whole, an error event streamed), not a hang."""
@@ -169,7 +169,7 @@ def test_the_gateway_answers_503_lost_when_redis_comes_back_empty(
     batching = DynamicBatchingConfig(max_wait_ms=10, max_batch_size=1, max_seq_len=2048, buckets=(16, 64))
     gateway = None
     try:
-        with RunningWorker(engine, server.url, prefix, batching, claim_idle_ms=2000) as running:
+        with RunningWorker(runner, server.url, prefix, batching, claim_idle_ms=2000) as running:
             client = Client(server.url, prefix=prefix, buckets=[16, 64])
             busy = client.submit(input_ids=reference.ids("busy"), max_new_tokens=1500, ignore_eos=True)
             next(iter(busy.stream(timeout=120)))  # the only slot is taken
@@ -200,7 +200,7 @@ def test_the_gateway_answers_503_lost_when_redis_comes_back_empty(
 
 @pytest.mark.timeout(300)
 def test_a_batch_job_across_a_restart_without_persistence_answers_every_line(
-    engine, prefix, reference, redis_server_binary, tmp_path
+    runner, prefix, reference, redis_server_binary, tmp_path
 ):
     """`tokenfleet batch` (run_batch) of 32 lines, Redis restarted empty once results flow: the
     lines Redis lost go again on their own, and every line ends answered, correct, in order."""
@@ -221,7 +221,7 @@ def test_a_batch_job_across_a_restart_without_persistence_answers_every_line(
     batching = DynamicBatchingConfig(max_wait_ms=10, max_batch_size=4, max_seq_len=512, buckets=(16, 64))
     written = []
     try:
-        with RunningWorker(engine, server.url, prefix, batching, claim_idle_ms=2000) as running:
+        with RunningWorker(runner, server.url, prefix, batching, claim_idle_ms=2000) as running:
             client = Client(server.url, prefix=prefix, buckets=[16, 64])
             counts: dict = {}
             job = threading.Thread(

@@ -160,7 +160,7 @@ def test_the_cli_help_explains_strict_redis():
 
 
 @pytest.mark.timeout(300)
-def test_a_full_redis_refuses_new_requests_and_loses_none_it_accepted(engine, prefix, reference, tiny_model):
+def test_a_full_redis_refuses_new_requests_and_loses_none_it_accepted(runner, prefix, reference, tiny_model):
     """Redis reaches maxmemory (noeviction) while 24 requests stream: a new submit gets RedisFull
     in one line (the gateway's: 503 ``redis_full``), the worker keeps what it holds and publishes
     again once there is room, and every accepted request ends whole and correct (nothing
@@ -176,7 +176,7 @@ def test_a_full_redis_refuses_new_requests_and_loses_none_it_accepted(engine, pr
     prompts = [f"full {i}" for i in range(24)]
     with EmbeddedRedis(extra_args=("--maxmemory-policy", "noeviction")) as server:
         admin = redis.Redis.from_url(server.url)
-        with RunningWorker(engine, server.url, prefix, batching, claim_idle_ms=3000) as running:
+        with RunningWorker(runner, server.url, prefix, batching, claim_idle_ms=3000) as running:
             client = Client(server.url, prefix=prefix, buckets=[16, 64])
             gateway = Gateway(server.url, prefix, tiny_model)
             model = httpx.get(gateway.url + "/v1/models", timeout=10).json()["data"][0]["id"]

@@ -160,7 +160,7 @@ def test_cancel_running_request_stops_within_a_step_and_frees_blocks(
         streamed_at_cancel = r.xlen(keys.reply_stream(handle.id))
         res = handle.result(timeout=30)
         time.sleep(0.1)
-        assert running.core.allocator.num_used_blocks == 0
+        assert running.core.scheduler.allocator.num_used_blocks == 0
     assert res.finish_reason == "cancelled"
     assert len(res.token_ids) <= streamed_at_cancel + 2, "kept generating after the cancel"
     assert res.usage["completion_tokens"] == len(res.token_ids)

@@ -16,7 +16,7 @@ from tokenfleet.transport.embedded import EmbeddedRedis
 pytestmark = pytest.mark.usefixtures("redis_server_binary")
 
 
-def test_redis_restart_under_load_every_request_ends(engine, tmp_path, prefix, reference):
+def test_redis_restart_under_load_every_request_ends(runner, tmp_path, prefix, reference):
     from conftest import RunningWorker
 
     server = EmbeddedRedis(
@@ -26,7 +26,7 @@ def test_redis_restart_under_load_every_request_ends(engine, tmp_path, prefix, r
     batching = DynamicBatchingConfig(max_wait_ms=10, max_batch_size=8, max_seq_len=512, buckets=(16, 64))
     prompts = [f"restart {i}" for i in range(12)]
     try:
-        with RunningWorker(engine, server.url, prefix, batching, claim_idle_ms=2000) as running:
+        with RunningWorker(runner, server.url, prefix, batching, claim_idle_ms=2000) as running:
             client = Client(server.url, prefix=prefix, buckets=[16, 64])
             handles = [
                 client.submit(input_ids=reference.ids(p), max_new_tokens=60, ignore_eos=True) for p in prompts

@@ -32,13 +32,13 @@ def url_as(server, user, password):
     return f"redis://{user}:{password}@127.0.0.1:{server.port}/0"
 
 
-def test_each_role_does_its_job_through_acls(acl_server, engine, prefix, model_path, reference):
+def test_each_role_does_its_job_through_acls(acl_server, runner, prefix, model_path, reference):
     from conftest import RunningWorker
 
     server, admin = acl_server
     worker_url = url_as(server, "tokenfleet-worker", "work-secret")
     producer_url = url_as(server, "tokenfleet-producer", "prod-secret")
-    with RunningWorker(engine, worker_url, prefix, BATCHING, max_queue=100):
+    with RunningWorker(runner, worker_url, prefix, BATCHING, max_queue=100):
         client = Client(producer_url, model=str(model_path), prefix=prefix)
         res = client.submit("acl", max_new_tokens=5).result(timeout=60)
         assert res.token_ids == reference.greedy(reference.ids("acl"), 5)
@@ -108,7 +108,7 @@ def test_worker_is_refused_outside_its_role(acl_server, prefix):
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
-def test_rediss_tls_url_serves_requests(engine, tmp_path, prefix, model_path, reference):
+def test_rediss_tls_url_serves_requests(runner, tmp_path, prefix, model_path, reference):
     from conftest import RunningWorker
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
@@ -168,7 +168,7 @@ def test_rediss_tls_url_serves_requests(engine, tmp_path, prefix, model_path, re
             time.sleep(0.05)
         else:
             pytest.skip("this redis-server was built without TLS")
-        with RunningWorker(engine, url, prefix, BATCHING):
+        with RunningWorker(runner, url, prefix, BATCHING):
             client = Client(url, model=str(model_path), prefix=prefix)
             assert client.submit("tls", max_new_tokens=4).result(timeout=60).token_ids == reference.greedy(
                 reference.ids("tls"), 4
@@ -183,12 +183,12 @@ def test_operations_doc_shows_the_rules_the_code_applies():
     import shlex
     from pathlib import Path
 
-    doc = (Path(__file__).parents[2] / "docs" / "OPERATIONS.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "operations" / "secure.md").read_text()
     for args in acl_rules("tokenfleet", "P", "W", "M"):
         assert "ACL SETUSER " + " ".join(shlex.quote(a) for a in args) in doc
 
 
-def test_the_monitor_reads_the_fleet_and_nothing_more(acl_server, engine, prefix):
+def test_the_monitor_reads_the_fleet_and_nothing_more(acl_server, runner, prefix):
     from conftest import RunningWorker
 
     from tokenfleet.transport.status import fleet_status
@@ -196,7 +196,7 @@ def test_the_monitor_reads_the_fleet_and_nothing_more(acl_server, engine, prefix
     server, admin = acl_server
     worker_url = url_as(server, "tokenfleet-worker", "work-secret")
     monitor = redis.Redis.from_url(url_as(server, "tokenfleet-monitor", "mon-secret"))
-    with RunningWorker(engine, worker_url, prefix, BATCHING):
+    with RunningWorker(runner, worker_url, prefix, BATCHING):
         report = fleet_status(monitor, Keys(prefix))
         assert [w["alive"] for w in report["workers"]] == [True]
         for refused in (
@@ -209,7 +209,7 @@ def test_the_monitor_reads_the_fleet_and_nothing_more(acl_server, engine, prefix
     monitor.close()
 
 
-def test_producer_commands_all_run_under_the_producer_role(acl_server, engine, prefix, model_path, tmp_path):
+def test_producer_commands_all_run_under_the_producer_role(acl_server, runner, prefix, model_path, tmp_path):
     """submit (with its "is anyone serving" check), result, cancel and batch, as the CLI runs
     them, with the producer's rights only."""
     import subprocess
@@ -232,7 +232,7 @@ def test_producer_commands_all_run_under_the_producer_role(acl_server, engine, p
             [sys.executable, "-m", "tokenfleet", *args], env=env, capture_output=True, text=True, timeout=120
         )
 
-    with RunningWorker(engine, worker_url, prefix, BATCHING):
+    with RunningWorker(runner, worker_url, prefix, BATCHING):
         submitted = cli(
             "submit", "--model", str(model_path), "--max-new-tokens", "3", "--id", "acl-cli", "hi"
         )

@@ -100,7 +100,7 @@ def _replication(port: int) -> dict:
 
 @pytest.mark.timeout(300)
 def test_worker_client_and_gateway_follow_a_failover(
-    engine, prefix, reference, redis_server_binary, model_path
+    runner, prefix, reference, redis_server_binary, model_path
 ):
     from conftest import RunningWorker
     from gateway_process import Gateway
@@ -124,7 +124,7 @@ def test_worker_client_and_gateway_follow_a_failover(
         batching = DynamicBatchingConfig(max_wait_ms=10, max_batch_size=4, max_seq_len=512, buckets=(16, 64))
         prompts = [f"failover {i}" for i in range(12)]
         new = 60
-        with RunningWorker(engine, sentinels.url, prefix, batching, claim_idle_ms=3000) as running:
+        with RunningWorker(runner, sentinels.url, prefix, batching, claim_idle_ms=3000) as running:
             client = Client(sentinels.url, prefix=prefix, buckets=[16, 64])
             gateway = Gateway(sentinels.url, prefix, str(model_path))
             handles = [

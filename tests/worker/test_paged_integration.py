@@ -5,11 +5,10 @@ import threading
 import time
 
 import pytest
-from conftest import TEST_DEVICE
+from conftest import TEST_DEVICE, make_runner
 
 from tokenfleet import protocol
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
-from tokenfleet.engines.native.runner import ModelRunner
 from tokenfleet.producer import Client
 from tokenfleet.protocol import Keys
 
@@ -65,7 +64,7 @@ def test_small_pool_preempts_and_every_request_completes_without_duplicates(
     from conftest import RunningWorker
 
     # 16 blocks of 4 tokens = 64 slots for 6 sequences of up to ~40 tokens each
-    small = ModelRunner(
+    small = make_runner(
         tiny_model, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=16)
     )
     batching = DynamicBatchingConfig(

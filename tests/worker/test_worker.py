@@ -291,7 +291,7 @@ def counting_client(redis_url: str):
 
 
 def round_trips_per_decode_step(
-    redis_url, prefix, engine, config_kw: dict, drive
+    redis_url, prefix, runner, config_kw: dict, drive
 ) -> tuple[float, int, object]:
     """Run a worker whose Redis connections count their round trips while ``drive()`` submits
     and waits; returns round trips per decode step, the decode steps, and what ``drive``
@@ -314,7 +314,7 @@ def round_trips_per_decode_step(
     config = dataclasses.replace(
         worker_config(redis_url=redis_url, prefix=prefix, **config_kw), batching=batching
     )
-    core = RecordingCore(NativeCore(engine, config.batching), on_batch=on_batch)
+    core = RecordingCore(NativeCore(runner, config.batching), on_batch=on_batch)
     worker = Worker(config, core=core, client=counting)
     worker.setup()
     worker.setup_done = True
@@ -329,7 +329,7 @@ def round_trips_per_decode_step(
     return (at_decode[-1] - at_decode[0]) / steps, steps, driven
 
 
-def test_a_decode_step_costs_one_redis_round_trip(engine, redis_url, prefix, model_path):
+def test_a_decode_step_costs_one_redis_round_trip(runner, redis_url, prefix, model_path):
     """While a batch runs, the step's token events, the read of new work and the read of cancels
     share one pipelined round trip (three before they were merged)."""
     batching = DynamicBatchingConfig(
@@ -342,7 +342,7 @@ def test_a_decode_step_costs_one_redis_round_trip(engine, redis_url, prefix, mod
         return [h.result(timeout=120) for h in handles]
 
     per_step, steps, results = round_trips_per_decode_step(
-        redis_url, prefix, engine, {"batching": batching}, drive
+        redis_url, prefix, runner, {"batching": batching}, drive
     )
     assert all(len(res.token_ids) == 40 for res in results)
     assert steps >= 38
@@ -350,7 +350,7 @@ def test_a_decode_step_costs_one_redis_round_trip(engine, redis_url, prefix, mod
     assert per_step <= 1.2, f"{per_step:.2f} round trips per decode step"
 
 
-def test_steps_with_nothing_to_send_share_a_round_trip(engine, redis_url, prefix, model_path):
+def test_steps_with_nothing_to_send_share_a_round_trip(runner, redis_url, prefix, model_path):
     """Under a stream interval most steps send nothing: the round trip that would only read new
     work and cancels then goes every exchange_interval_ms, not after every step; cancels still act."""
     batching = DynamicBatchingConfig(
@@ -368,7 +368,7 @@ def test_steps_with_nothing_to_send_share_a_round_trip(engine, redis_url, prefix
     per_step, steps, (results, cancelled) = round_trips_per_decode_step(
         redis_url,
         prefix,
-        engine,
+        runner,
         {"batching": batching, "stream_interval_ms": 10_000, "exchange_interval_ms": 50},
         drive,
     )

@@ -203,7 +203,7 @@ def _wait_until_serving(worker, thread: threading.Thread, echo: Callable[[str], 
 
 def _start_up_note() -> str:
     """What the worker's start is about to spend its time on, said before the wait."""
-    from tokenfleet.engines.native.cpu_kernels import build_estimate, kernels_built
+    from tokenfleet.engines.native.kernels.build import build_estimate, kernels_built
 
     if kernels_built():
         return "starting a worker (loading the model) ..."

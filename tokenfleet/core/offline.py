@@ -6,9 +6,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from tokenfleet.core.interface import EngineCore, StepOutput, TokenOutput
 from tokenfleet.core.sequence import SeqState
+
+
+@dataclass(frozen=True)
+class OfflineRun:
+    """How long a run took, and the sequences that failed alone (each with why) instead of finishing."""
+
+    seconds: float
+    failed: list[tuple[SeqState, str]]
 
 
 def run_offline(
@@ -17,13 +26,14 @@ def run_offline(
     on_token: Callable[[TokenOutput], None] | None = None,
     clock: Callable[[], float] = time.perf_counter,
     on_step: Callable[[StepOutput], None] | None = None,
-) -> float:
+) -> OfflineRun:
     """Add each sequence when its time comes (seconds after the start, in order) and step until
-    every one has finished; returns the wall time. ``on_token`` sees every token, ``on_step``
-    every step's output (a bench's view of the batches). A sequence the core refuses raises
-    ``ValueError``: a benchmark's workload must fit the core it measures."""
+    every one has finished or failed; returns the wall time and the failures. ``on_token`` sees
+    every token, ``on_step`` every step's output (a bench's view of the batches). A sequence the
+    core refuses raises ``ValueError``: a benchmark's workload must fit the core it measures."""
     start = clock()
     nxt, left = 0, len(arrivals)
+    failed: list[tuple[SeqState, str]] = []
     while left:
         now = clock()
         while nxt < len(arrivals) and start + arrivals[nxt][0] <= now:
@@ -45,4 +55,15 @@ def run_offline(
             if on_token is not None:
                 on_token(out)
             left -= out.finished
-    return clock() - start
+        failed.extend(output.failed)
+        left -= len(output.failed)  # a row that failed alone never finishes
+    return OfflineRun(clock() - start, failed)
+
+
+def finished_in(run: OfflineRun) -> float:
+    """A run's seconds where every sequence finished; ``RuntimeError`` naming the first failure
+    otherwise (a benchmark's figures mean nothing when some of its sequences failed)."""
+    if run.failed:
+        seq, why = run.failed[0]
+        raise RuntimeError(f"{len(run.failed)} sequence(s) failed, first {seq.request.id}: {why}")
+    return run.seconds

@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Hashable, Sequence
-from dataclasses import dataclass, field
 
 from tokenfleet.batcher import Batcher, PendingRequest
-from tokenfleet.config import DynamicBatchingConfig
-from tokenfleet.core.interface import TokenOutput
+from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
+from tokenfleet.core.batches import Advanced, DecodeBatch, PrefillBatch, Scheduled
+from tokenfleet.core.interface import Capacity, TokenOutput
 from tokenfleet.core.lanes import PreemptedQueue, pick_victim, victims_for
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.kvcache.allocator import BlockAllocator
@@ -28,57 +28,13 @@ log = logging.getLogger(__name__)
 Joiner = tuple[SeqState, int]  # a sequence about to prefill, and the tokens the cache holds for it
 
 
-@dataclass(frozen=True)
-class PrefillBatch:
-    """Sequences whose tokens go through the model for the first time (or again, resumed): each
-    one's block table (enough blocks for every token), how many of its first tokens the cache
-    holds already (``cached``: whole blocks, shared with other sequences) and the tokens after
-    them, which the prefill computes."""
-
-    seqs: list[SeqState]
-    tables: list[list[int]]
-    token_lists: list[list[int]]
-    cached: list[int]
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Tokens the prefill computes (cached ones excluded)."""
-        return sum(len(t) for t in self.token_lists)
-
-
-@dataclass(frozen=True)
-class DecodeBatch:
-    """One new token for each running sequence: its table, its stored tokens (the newest, not yet
-    in the cache, among them: its slot is allocated) and that newest token."""
-
-    seqs: list[SeqState]
-    tables: list[list[int]]
-    lengths: list[int]
-    last_tokens: list[int]
-
-
-@dataclass(frozen=True)
-class Scheduled:
-    """A step's plan: the batch to run (None: nothing is due) and whom making room for it preempted."""
-
-    batch: PrefillBatch | DecodeBatch | None
-    preempted: list[SeqState] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Advanced:
-    """What a batch's chosen tokens did: the tokens appended (finished sequences' last among them)
-    and the rows that failed alone (no token could be chosen), already out of the scheduler."""
-
-    tokens: list[TokenOutput]
-    failed: list[tuple[SeqState, str]]
-
-
 class Scheduler:
     """Batching, KV blocks and preemption for the native engine core."""
 
-    def __init__(self, allocator: BlockAllocator, batcher: Batcher, config: DynamicBatchingConfig):
-        self.allocator = allocator
+    def __init__(self, batcher: Batcher, config: DynamicBatchingConfig, kv: KVCacheConfig, num_blocks: int):
+        """Schedules ``batcher``'s requests under ``config`` over a pool of ``num_blocks`` blocks
+        laid out as ``kv`` says; the block allocator is the scheduler's alone."""
+        self.allocator = BlockAllocator(num_blocks, kv.block_size, kv.prefix_caching)
         self.batcher = batcher
         self.config = config
         self.running: list[SeqState] = []  # in admission order: the last is the youngest
@@ -90,6 +46,25 @@ class Scheduler:
     def has_work(self) -> bool:
         """A step would run something now."""
         return bool(self.running or self.preempted) or self.batcher.is_due()
+
+    @property
+    def num_waiting(self) -> int:
+        """Read from Redis, not yet started: queued or preempted."""
+        return len(self.batcher) + len(self.preempted)
+
+    def capacity(self, bytes_per_block: int) -> Capacity:
+        alloc = self.allocator
+        return Capacity(
+            max_seq_len=self.config.max_seq_len,
+            block_size=alloc.block_size,
+            kv_blocks_total=alloc.num_blocks,
+            kv_blocks_used=alloc.num_used_blocks,
+            running=len(self.running),
+            waiting=self.num_waiting,
+            kv_bytes_per_block=bytes_per_block,
+            prefix_cache_queries=alloc.queries,
+            prefix_cache_hits=alloc.hits,
+        )
 
     # -- scheduling -----------------------------------------------------------------------------
 
@@ -242,6 +217,16 @@ class Scheduler:
 
     # -- after the forward pass -----------------------------------------------------------------
 
+    def ran(self) -> None:
+        """The step's forward pass wrote the K/V of the blocks this schedule named: their cached
+        names now hold."""
+        self.allocator.confirm()
+
+    def failed_to_run(self) -> None:
+        """The step's forward pass failed: the blocks it was to fill hold no K/V, so they lose the
+        names a later prompt would have found them by."""
+        self.allocator.forget_unconfirmed()
+
     def postprocess(
         self,
         batch: PrefillBatch | DecodeBatch,
@@ -269,6 +254,13 @@ class Scheduler:
     def _release(self, seq: SeqState) -> None:
         self.running.remove(seq)
         self.allocator.free(seq.key)
+
+    def check_idle(self) -> None:
+        """The allocator's integrity, and no block in use once no sequence is held."""
+        self.allocator.check_integrity()
+        held = self.running or self.preempted or len(self.batcher)
+        if not held and self.allocator.num_used_blocks:
+            raise RuntimeError(f"{self.allocator.num_used_blocks} KV blocks in use with no sequence held")
 
     def abort(self, keys: Collection[Hashable]) -> list[SeqState]:
         """Remove these sequences wherever they are (running, preempted, waiting), freeing their

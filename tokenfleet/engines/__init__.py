@@ -54,24 +54,9 @@ def build_core(config: WorkerConfig) -> EngineCore:
     from tokenfleet.engines.native.core import NativeCore
     from tokenfleet.engines.native.runner import ModelRunner
 
-    if engine.model is None:
-        raise ValueError("no model: the engine needs a model directory")
-    runner = ModelRunner(
-        engine.model,
-        engine.device,
-        engine.dtype,
-        config.kv,
-        compile=engine.compile,
-        max_batch_size=config.batching.max_batch_size,
-        bf16_linear=engine.bf16_linear,
-        f32_linear=engine.f32_linear,
-        onednn_linear=engine.onednn_linear,
-        paged_kernel=engine.paged_kernel,
-        cuda_graphs=engine.cuda_graphs,
-        max_seq_len=config.batching.max_seq_len,
-    )
+    runner = ModelRunner(engine, config.kv, config.batching)
     # before the worker announces itself: no request waits on a compile or a graph capture
     warmed = runner.warm_up()
     if warmed:
         log.info("engine warmed up (compiled / captured) in %.1f s", warmed)
-    return NativeCore(runner, config.batching, prefix_caching=config.kv.prefix_caching)
+    return NativeCore(runner, config.batching)

@@ -20,7 +20,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from tokenfleet.config import WorkerConfig
-from tokenfleet.core.interface import EngineCore, StepOutput
+from tokenfleet.core.interface import EngineCore
 from tokenfleet.engines import build_core
 from tokenfleet.protocol import ErrorCode, Keys
 from tokenfleet.transport.cancels import CancelFeed
@@ -35,6 +35,7 @@ from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.policy import Plan, TurnPolicy, read_budget
 from tokenfleet.worker.publisher import Publisher
 from tokenfleet.worker.ratelog import RateLimitedLog
+from tokenfleet.worker.stepper import Stepper
 from tokenfleet.worker.stops import enforce_stops
 from tokenfleet.worker.timing import TimeSpent
 from tokenfleet.worker.upkeep import FleetBuckets, Upkeep
@@ -89,6 +90,7 @@ class Worker:
             shared=not isinstance(self.client, RedisCluster),
             exchange_interval_s=config.streaming.exchange_interval_ms / 1000,
         )
+        self.stepper = Stepper(self.core, self.tuning, self.policy, self.publisher, self.metrics)
         self.spent = TimeSpent()
         self.reclaimed = 0  # requests taken over from dead workers
         self.turns_failed = 0  # turns a bug ended (logged; the loop went on)
@@ -192,7 +194,8 @@ class Worker:
         match plan:
             case Plan.OVERLAP:  # the round trip runs on the I/O thread during the step
                 self.round_trip.start(self._read_budget(), background=True)
-                output, step_s = self._step_and_publish()  # published before a cancel read meanwhile
+                # the step's tokens are published before a cancel read meanwhile is acted on
+                output, step_s = self.stepper.step(flush=self.stopping)
                 self._apply(self.round_trip.finish())  # acts on: no token after a cancel's done
                 exchange_s = None
             case Plan.INLINE:
@@ -200,14 +203,14 @@ class Worker:
                 self._apply(self.round_trip.finish())
                 exchange_s = time.perf_counter() - began
                 self.policy.round_trip_done(exchange_s)
-                output, step_s = self._step_and_publish()
+                output, step_s = self.stepper.step(flush=self.stopping)
             case Plan.SKIP:  # cancels and new work wait for the next read
                 exchange_s = 0.0
-                output, step_s = self._step_and_publish()
+                output, step_s = self.stepper.step(flush=self.stopping)
             case Plan.SEPARATE | Plan.DRAIN:  # draining: replies and cancels, no new work
                 self._apply(self._read_on_its_own(take_work=plan is Plan.SEPARATE))
                 exchange_s = time.perf_counter() - began
-                output, step_s = self._step_and_publish()
+                output, step_s = self.stepper.step(flush=self.stopping)
         # asked of the state after the step: a batch that just ended (or began) changes the answer
         if not self.policy.rides_on_steps(self.core.has_work, self.stopping):
             self._flush()  # otherwise the next turn's round trip takes them along
@@ -268,32 +271,6 @@ class Worker:
         self.reclaimed += len(claimed)
         for incoming in claimed:
             self.admitter.take(incoming)
-
-    def _step_and_publish(self) -> tuple[StepOutput, float]:
-        """One step of the core, its wait tuned first, its tokens published after; what it made
-        and the seconds the step took."""
-        self.tuning.apply()
-        began = time.perf_counter()
-        try:
-            output = self.core.step(flush=self.stopping)
-        except Exception as e:  # a failed forward pass fails its sequences, never the worker
-            started = self.core.running()
-            message = "step failed; failing the %d sequences it held"
-            self._warn.log(logging.ERROR, "step", message, len(started), exc_info=True)
-            for seq in self.core.abort({s.key for s in started}):
-                self.publisher.fail(seq, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
-            return StepOutput(), time.perf_counter() - began
-        seconds = time.perf_counter() - began
-        self.tuning.observe(output, seconds)
-        for event in output.batches:
-            self.metrics.observe_batch(event)
-            if event.kind == "prefill":
-                log.info("batch size %d (%s)", event.size, event.describe())
-        self.metrics.preempted(len(output.preempted))
-        if output.tokens and not any(event.kind == "prefill" for event in output.batches):
-            self.policy.step_done(seconds)
-        self.publisher.publish(output)
-        return output, seconds
 
     def _flush(self) -> None:
         for error in self.outbox.flush():

@@ -10,56 +10,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Hashable
-from dataclasses import dataclass
-from typing import Any, Protocol
 
 from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.core.admission import Limits
+from tokenfleet.core.batches import DecodeBatch, PrefillBatch
 from tokenfleet.core.front import CoreFront
-from tokenfleet.core.interface import BatchEvent, Capacity, ModelFacts, StepOutput
-from tokenfleet.core.scheduler import DecodeBatch, PrefillBatch, Scheduler
+from tokenfleet.core.interface import BatchEvent, Capacity, StepOutput
+from tokenfleet.core.scheduler import Scheduler
 from tokenfleet.core.sequence import SeqState
-from tokenfleet.kvcache.allocator import BlockAllocator
-from tokenfleet.protocol import TokenLogprob
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    """A prefill's next-token logits ``[B, vocab]`` and what it computed: tokens (padding
-    included) in how many forwards."""
-
-    logits: Any
-    computed_tokens: int
-    forwards: int
-
-
-@dataclass(frozen=True)
-class Chosen:
-    """A step's token for each row (None: the row could not be sampled, ``sampling_error`` says
-    why) and its logprobs where the request asked for them."""
-
-    tokens: list[int | None]
-    logprobs: list[TokenLogprob | None]
-
-
-class Runner(Protocol):
-    """What the core needs of a model runner (:class:`tokenfleet.engines.native.runner.ModelRunner`)."""
-
-    num_blocks: int
-    block_size: int
-    bytes_per_block: int
-
-    def facts(self) -> ModelFacts: ...
-
-    def prefill(
-        self, tables: list[list[int]], token_lists: list[list[int]], cached: list[int]
-    ) -> PrefillResult: ...
-
-    def decode(self, tables: list[list[int]], lengths: list[int], last_tokens: list[int]) -> Any: ...
-
-    def start_masks(self, seqs: list[SeqState]) -> Any: ...
-
-    def choose_tokens(self, logits: Any, seqs: list[SeqState], masks: Any) -> Chosen: ...
+from tokenfleet.engines.native.types import PrefillResult, Runner
 
 
 class NativeCore(CoreFront):
@@ -72,8 +31,9 @@ class NativeCore(CoreFront):
         runner: Runner,
         batching: DynamicBatchingConfig,
         clock: Callable[[], float] = time.monotonic,
-        prefix_caching: bool = True,
     ):
+        """Admission and scheduling by ``batching`` over ``runner``'s model and KV pool (laid out
+        and cached as ``runner.kv`` says)."""
         facts = runner.facts()
         limits = Limits(
             buckets=batching.buckets,
@@ -81,12 +41,11 @@ class NativeCore(CoreFront):
             max_new_tokens_cap=batching.max_new_tokens_cap,
             vocab_size=facts.vocab_size,
             max_token_chars=facts.max_token_chars,
-            kv_tokens_per_seq=runner.num_blocks * runner.block_size,
+            kv_tokens_per_seq=runner.num_blocks * runner.kv.block_size,
         )
         super().__init__(facts, limits, batching, clock)
         self.runner = runner
-        self.allocator = BlockAllocator(runner.num_blocks, runner.block_size, prefix_caching)
-        self.scheduler = Scheduler(self.allocator, self.batcher, batching)
+        self.scheduler = Scheduler(self.batcher, batching, runner.kv, runner.num_blocks)
 
     # -- what it holds --------------------------------------------------------------------------
 
@@ -100,7 +59,7 @@ class NativeCore(CoreFront):
     @property
     def num_waiting(self) -> int:
         """Read from Redis, not yet started (the no-hoarding bound applies to this)."""
-        return len(self.batcher) + len(self.scheduler.preempted)
+        return self.scheduler.num_waiting
 
     def waiting_in(self, lane: int) -> int:
         return self.batcher.waiting_in(lane) + self.scheduler.preempted.in_lane(lane)
@@ -110,22 +69,10 @@ class NativeCore(CoreFront):
         return self.scheduler.has_work
 
     def capacity(self) -> Capacity:
-        return Capacity(
-            max_seq_len=self.config.max_seq_len,
-            block_size=self.allocator.block_size,
-            kv_blocks_total=self.allocator.num_blocks,
-            kv_blocks_used=self.allocator.num_used_blocks,
-            running=len(self.scheduler.running),
-            waiting=self.num_waiting,
-            kv_bytes_per_block=self.runner.bytes_per_block,
-            prefix_cache_queries=self.allocator.queries,
-            prefix_cache_hits=self.allocator.hits,
-        )
+        return self.scheduler.capacity(self.runner.bytes_per_block)
 
     def check_idle(self) -> None:
-        self.allocator.check_integrity()
-        if not self.held() and self.allocator.num_used_blocks:
-            raise RuntimeError(f"{self.allocator.num_used_blocks} KV blocks in use with no sequence held")
+        self.scheduler.check_idle()
 
     def close(self) -> None:
         pass
@@ -149,9 +96,9 @@ class NativeCore(CoreFront):
                     logits = self.runner.decode(batch.tables, batch.lengths, batch.last_tokens)
                     event = BatchEvent("decode", len(batch.seqs))
         except BaseException:
-            self.allocator.forget_unconfirmed()  # blocks this step was to fill hold no K/V
+            self.scheduler.failed_to_run()
             raise
-        self.allocator.confirm()
+        self.scheduler.ran()
         chosen = self.runner.choose_tokens(logits, batch.seqs, masks)
         advanced = self.scheduler.postprocess(batch, chosen.tokens, chosen.logprobs)
         return StepOutput(advanced.tokens, scheduled.preempted, advanced.failed, [event])

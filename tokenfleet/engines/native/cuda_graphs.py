@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenfleet.engines.native.attention import StepMetadata
-from tokenfleet.engines.native.step_inputs import Uploader, decode_step
+from tokenfleet.engines.native.attention.paged import StepMetadata
+from tokenfleet.engines.native.attention.step_inputs import Uploader, decode_step
 from tokenfleet.kvcache.store import PagedKVStore
 
 log = logging.getLogger(__name__)

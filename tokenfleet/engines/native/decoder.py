@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from tokenfleet.engines.native.attention import StepMetadata, paged_attention
+from tokenfleet.engines.native.attention.paged import StepMetadata, paged_attention
 
 log = logging.getLogger(__name__)
 

@@ -91,7 +91,7 @@ def select_dtype(name: str, device: torch.device) -> torch.dtype:
         if name not in DTYPES:
             raise ValueError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
         if name == "bfloat16" and device.type == "cpu" and not cpu_supports_bf16():
-            from tokenfleet.engines.native.bf16_linear import bf16_kernel_available
+            from tokenfleet.engines.native.linear.bf16 import bf16_kernel_available
 
             if bf16_kernel_available():  # AVX-512 or AVX2: float32 FMAs on bf16 weights, half the memory
                 log.info(

@@ -10,132 +10,98 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from tokenfleet.config import KVCacheConfig
+from tokenfleet.config import DynamicBatchingConfig, EngineConfig, KVCacheConfig
 from tokenfleet.core.interface import ModelFacts
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.core.vocab import eos_token_ids, max_token_chars
-from tokenfleet.engines.native import attention, triton_paged
+from tokenfleet.engines.native.attention import paged as attention
+from tokenfleet.engines.native.attention import triton_paged
+from tokenfleet.engines.native.attention.step_inputs import Uploader, decode_step, prefill_step
 from tokenfleet.engines.native.compiled import compile_decode, compile_prefill
-from tokenfleet.engines.native.core import Chosen, PrefillResult
-from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
-from tokenfleet.engines.native.cpu_linear import linear_route, pack_for_route
 from tokenfleet.engines.native.cuda_graphs import DecodeGraphs
 from tokenfleet.engines.native.decoder import lean_decoder
 from tokenfleet.engines.native.device import select_device, select_dtype
-from tokenfleet.engines.native.grammar_masks import GrammarMasks, PendingMasks
-from tokenfleet.engines.native.kv_sizing import pool_blocks
-from tokenfleet.engines.native.logits_process import choose_controlled
-from tokenfleet.engines.native.shapes import decode_buckets, prefill_padded_size
-from tokenfleet.engines.native.step_inputs import Uploader, decode_step, prefill_step
-from tokenfleet.kvcache.store import PagedKVStore
+from tokenfleet.engines.native.kernels.loader import load_kernels
+from tokenfleet.engines.native.linear.routes import linear_route, pack_for_route
+from tokenfleet.engines.native.loading import ModelShape, kv_pool, load_model
+from tokenfleet.engines.native.sampling.grammar_masks import GrammarMasks, PendingMasks
+from tokenfleet.engines.native.sampling.logits_process import choose_controlled
+from tokenfleet.engines.native.shapes import decode_buckets, prefill_forwards, prefill_padded_size
+from tokenfleet.engines.native.types import Chosen, PrefillResult
 
 log = logging.getLogger(__name__)
 
 # Prefill packs whole prompts into forwards of at most this many tokens (activation memory bound).
-DEFAULT_PREFILL_CHUNK_TOKENS = 8192
+PREFILL_CHUNK_TOKENS = 8192
 
 
 class ModelRunner:
     """Loads a model with the paged attention function and runs prefill and decode steps."""
 
-    def __init__(
-        self,
-        model_dir: str,
-        device: str = "auto",
-        dtype: str = "auto",
-        kv: KVCacheConfig | None = None,
-        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
-        compile: bool = False,
-        max_batch_size: int = 32,
-        bf16_linear: str = "auto",
-        f32_linear: str = "auto",
-        onednn_linear: bool = True,
-        paged_kernel: bool = True,
-        cuda_graphs: bool = True,
-        max_seq_len: int = 2048,
-    ):
-        """``bf16_linear``, ``f32_linear``, ``onednn_linear`` and ``paged_kernel``: the CPU routes of
-        :class:`~tokenfleet.config.EngineConfig`, each equivalent in results; ``cuda_graphs``:
-        decode replayed from graphs (CUDA, with Triton), tables ``max_seq_len`` tokens wide."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        kv = kv or KVCacheConfig()
-        self.device = select_device(device)
-        self.dtype = select_dtype(dtype, self.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=self.dtype, attn_implementation=attention.register()
-        )
-        self.model = model.to(self.device)
-        self.model.train(False)  # inference mode: dropout and friends off
-        cfg = self.model.config.get_text_config()
-        num_heads = cfg.num_attention_heads
-        self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-        self.vocab_size = cfg.vocab_size
+    def __init__(self, engine: EngineConfig, kv: KVCacheConfig, batching: DynamicBatchingConfig):
+        """The model ``engine.model`` on ``engine.device`` in ``engine.dtype``, its linears on the
+        CPU routes ``engine`` names; a pool of KV blocks sized by ``kv``; decode padded to batches
+        up to ``batching.max_batch_size`` (compiled, CUDA graphs), tables ``max_seq_len`` wide."""
+        if engine.model is None:
+            raise ValueError("model: the runner needs a model directory")
+        self.kv = kv
+        self.device = select_device(engine.device)
+        self.dtype = select_dtype(engine.dtype, self.device)
+        self.tokenizer, self.model = load_model(engine.model, self.device, self.dtype)
+        shape = ModelShape.of(self.model)
+        self.vocab_size = shape.vocab_size
         self.grammar_masks = GrammarMasks(self.vocab_size)
         self.block_size = kv.block_size
-        self.bytes_per_block = PagedKVStore.bytes_per_block(
-            self.num_layers, self.num_kv_heads, self.head_dim, kv.block_size, self.dtype
-        )
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.num_blocks = kv.num_blocks or pool_blocks(
-            self.bytes_per_block, kv.memory_bytes, weights, self.device.type, max_seq_len // kv.block_size
-        )  # what the scheduler's allocator may hand out; one block more is the scratch block
-        self.scratch_block = self.num_blocks  # where padding tokens' K/V go
-        shape = (self.num_layers, self.num_blocks + 1, kv.block_size, self.num_kv_heads, self.head_dim)
-        self.store = PagedKVStore(*shape, self.device, self.dtype)
-        self.store.populate_in_background()  # pages in on a low-priority thread: no step waits on a fault
+        pool = kv_pool(self.model, shape, kv, batching.max_seq_len)  # counts the weights as loaded
+        self.store = pool.store
+        self.num_blocks = pool.num_blocks  # what the scheduler's allocator may hand out
+        self.bytes_per_block = pool.bytes_per_block
+        self.scratch_block = pool.scratch_block  # where padding tokens' K/V go
         # attention in C++ on CPU (decode straight from the pool, prefill on the packed prompts);
         # elsewhere (and without a compiler) SDPA runs on gathered blocks and padded prompts
-        self.use_kernel = self.device.type == "cpu" and paged_attention_kernels(paged_kernel) is not None
-        self.use_prefill_kernel = self.use_kernel and self.head_dim % 16 == 0  # its widest vector (AVX-512)
-        self.prefill_chunk_tokens = prefill_chunk_tokens
+        on_cpu = self.device.type == "cpu"
+        self.use_kernel = on_cpu and load_kernels(engine.paged_kernel) is not None
+        self.use_prefill_kernel = self.use_kernel and shape.head_dim % 16 == 0  # its widest vector (AVX-512)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.upload = Uploader(self.device)  # a step's integer inputs: one copy to the device
         self.pad_prefill = self.device.type == "cpu"  # see shapes.prefill_padded_size
-        self.decode_buckets = decode_buckets(max_batch_size)
+        self.decode_buckets = decode_buckets(batching.max_batch_size)
         # on a GPU: decode attention in the Triton kernel (block tables read on the device)
         self.use_triton = self.device.type == "cuda" and triton_paged.available()
-        self.graphs = (
-            DecodeGraphs(
-                self.store,
-                self.upload,
-                self.decode_buckets,
-                -(-max_seq_len // self.block_size),
-                self.scratch_block,
-                self.pad_token_id,
-            )
-            if cuda_graphs and self.use_triton
-            else None
-        )
+        graphed = engine.cuda_graphs and self.use_triton
+        self.graphs = self._decode_graphs(batching.max_seq_len) if graphed else None
         # eager CPU steps run the lean forward where the architecture allows (compiled ones fuse themselves)
-        self.lean = lean_decoder(self.model) if self.use_kernel and not compile else None
-        # after the KV budget, which counts the weights as loaded
-        route = linear_route(self.device, self.dtype, self.model, bf16_linear, onednn_linear, f32_linear)
-        pack_for_route(self.model, route, self.dtype)
-        self._compiled = (
-            compile_decode(self.model.base_model, self.device, len(self.decode_buckets)) if compile else None
+        self.lean = lean_decoder(self.model) if self.use_kernel and not engine.compile else None
+        route = linear_route(
+            self.device, self.dtype, self.model, engine.bf16_linear, engine.onednn_linear, engine.f32_linear
         )
-        self._compiled_prefill = compile_prefill(self.model.base_model) if compile else None
-        self.pad_decode_batches = compile  # to decode_buckets; eager steps can pad too (tests do)
+        pack_for_route(self.model, route, self.dtype)
+        compiled = engine.compile
+        base = self.model.base_model
+        self._compiled = compile_decode(base, self.device, len(self.decode_buckets)) if compiled else None
+        self._compiled_prefill = compile_prefill(base) if compiled else None
+        self.pad_decode_batches = compiled  # to decode_buckets; eager steps can pad too (tests do)
         self.eos_token_ids = eos_token_ids(
             getattr(self.model, "generation_config", None), self.model.config, self.tokenizer
         )
         self.max_token_chars = max_token_chars(self.tokenizer)
         log.info(
             "engine: %s on %s/%s, KV pool %d blocks x %d tokens (%.1f MiB)",
-            model_dir,
+            engine.model,
             self.device,
             str(self.dtype).removeprefix("torch."),
             self.num_blocks,
             kv.block_size,
             self.store.nbytes / 2**20,
+        )
+
+    def _decode_graphs(self, max_seq_len: int) -> DecodeGraphs:
+        table_width = -(-max_seq_len // self.block_size)
+        return DecodeGraphs(
+            self.store, self.upload, self.decode_buckets, table_width, self.scratch_block, self.pad_token_id
         )
 
     def facts(self) -> ModelFacts:
@@ -172,21 +138,12 @@ class ModelRunner:
         """Run sequences (``tables``: each one's blocks, enough for every token) whose first
         ``cached[b]`` tokens the pool holds already (a cached prefix; default none) and whose
         other tokens are ``token_lists[b]``: those are packed without padding into forwards of at
-        most ``prefill_chunk_tokens``, their K/V written into the pool, attending to the cached
+        most :data:`PREFILL_CHUNK_TOKENS`, their K/V written into the pool, attending to the cached
         ones in place. Returns next-token logits ``[B, vocab]`` (float32) in the order given, with
         the tokens the forwards computed (padding included). Rows go into forwards in order, so a
         row that reads blocks an earlier row of the same call fills finds them written."""
         cached = list(cached) if cached is not None else [0] * len(token_lists)
-        chunks: list[list[int]] = []
-        budget = self.prefill_chunk_tokens
-        in_chunk = 0  # tokens in the last chunk
-        for row, tokens in enumerate(token_lists):
-            if chunks and in_chunk + len(tokens) <= budget:
-                chunks[-1].append(row)
-                in_chunk += len(tokens)
-            else:
-                chunks.append([row])  # a prompt longer than the budget gets a forward of its own
-                in_chunk = len(tokens)
+        chunks = prefill_forwards([len(t) for t in token_lists], PREFILL_CHUNK_TOKENS)
         parts = [
             self._prefill_packed(
                 [tables[i] for i in rows], [token_lists[i] for i in rows], [cached[i] for i in rows]

@@ -23,3 +23,18 @@ def decode_buckets(max_batch_size: int) -> list[int]:
     while buckets[-1] < max_batch_size:
         buckets.append(buckets[-1] * 2)
     return buckets
+
+
+def prefill_forwards(lengths: list[int], budget: int) -> list[list[int]]:
+    """Rows (by index, in order) grouped into forwards of at most ``budget`` tokens each; a row
+    longer than the budget gets a forward of its own."""
+    forwards: list[list[int]] = []
+    in_last = 0  # tokens in the last forward
+    for row, length in enumerate(lengths):
+        if forwards and in_last + length <= budget:
+            forwards[-1].append(row)
+            in_last += length
+        else:
+            forwards.append([row])
+            in_last = length
+    return forwards

@@ -100,7 +100,7 @@ def paged_attention_op(
         assert mask is not None and group_index is not None, "a packed prefill without the kernel"
         return packed_prefill_attention(query, key, value, mask, scale, gqa, group_index, group_shape)
     if triton:
-        from tokenfleet.engines.native.triton_paged import paged_decode
+        from tokenfleet.engines.native.attention.triton_paged import paged_decode
 
         assert lengths is not None
         return paged_decode(query[:, :, 0], k_cache, v_cache, block_tables, lengths, scale)[:, None]

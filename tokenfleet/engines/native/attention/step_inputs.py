@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenfleet.engines.native.attention import PrefillGroups, StepMetadata, length_groups
+from tokenfleet.engines.native.attention.paged import PrefillGroups, StepMetadata, length_groups
 from tokenfleet.kvcache.store import PagedKVStore
 
 

@@ -5,7 +5,7 @@ keys and values at a time from the pool (``[blocks, block_size, kv_heads, head_d
 layout of :class:`~tokenfleet.kvcache.store.PagedKVStore`) and keeps a running softmax (flash
 decoding without the split): no gathered copy of the context, no mask, and block tables and
 lengths stay on the device, so the step has no host sync and a CUDA graph can replay it. The
-gather + SDPA path in :mod:`~tokenfleet.engines.native.attention` is the reference it is tested
+gather + SDPA path in :mod:`~tokenfleet.engines.native.attention.paged` is the reference it is tested
 against (on the CPU too, in Triton's interpreter: ``TRITON_INTERPRET=1``).
 """
 

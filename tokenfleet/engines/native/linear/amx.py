@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenfleet.engines.native.bf16_linear import native_bf16_linear
-from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
+from tokenfleet.engines.native.kernels.loader import load_kernels
 from tokenfleet.engines.native.kv_sizing import available_memory_bytes
-from tokenfleet.engines.native.onednn_linear import DECODE_ROWS_HINT
-from tokenfleet.engines.native.route_race import Layer, race_routes
+from tokenfleet.engines.native.linear.bf16 import native_bf16_linear
+from tokenfleet.engines.native.linear.onednn import DECODE_ROWS_HINT
+from tokenfleet.engines.native.linear.race import Layer, race_routes
 
 # Rows up to which the tiles beat F.linear (oneDNN): once a weight is reused over enough rows,
 # oneDNN's blocking wins (the crossover measured in docs/PERFORMANCE.md)
@@ -56,7 +56,7 @@ class AmxLinear(nn.Module):
 
 def amx_kernel_available() -> bool:
     """Whether ``tokenfleet::linear_amx`` runs here: built with AMX-BF16 and given the tile state."""
-    if paged_attention_kernels() is None:
+    if load_kernels() is None:
         return False
     try:
         packed = torch.ops.tokenfleet.pack_linear_amx(torch.ones(2, 2, dtype=torch.bfloat16))

@@ -9,9 +9,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
-from tokenfleet.engines.native.onednn_linear import DECODE_ROWS_HINT, PackedLinear
-from tokenfleet.engines.native.route_race import race_routes
+from tokenfleet.engines.native.kernels.loader import load_kernels
+from tokenfleet.engines.native.linear.onednn import DECODE_ROWS_HINT, PackedLinear
+from tokenfleet.engines.native.linear.race import race_routes
 
 
 class KernelLinear(nn.Module):
@@ -36,7 +36,7 @@ class KernelLinear(nn.Module):
 def bf16_kernel_available() -> bool:
     """Whether ``tokenfleet::linear_bf16`` is built for this CPU (it needs AVX-512 F, BW and VL, or
     AVX2 and FMA)."""
-    if paged_attention_kernels() is None:
+    if load_kernels() is None:
         return False
     try:
         packed = torch.ops.tokenfleet.pack_linear_bf16(torch.ones(2, 2, dtype=torch.bfloat16))
@@ -64,7 +64,7 @@ def bf16_linear_speeds(
     through ``weights`` weights in turn (24 MB: from memory, as a decode step reads them), and at
     512 rows through one. The routes take turns within each round, so a shared host's drift hits
     them all. ~0.3 s; ~1 s where the library emulates bf16 matmuls."""
-    paged_attention_kernels()  # registers tokenfleet::linear_bf16
+    load_kernels()  # registers tokenfleet::linear_bf16
     routes: dict[str, list] = {"kernel": [], "native": [], "float32": []}
     for _ in range(weights):
         linear = nn.Linear(size, size, bias=False, dtype=torch.bfloat16)

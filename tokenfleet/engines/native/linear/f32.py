@@ -18,9 +18,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tokenfleet.engines.native.cpu_kernels import paged_attention_kernels
-from tokenfleet.engines.native.onednn_linear import PackedLinear
-from tokenfleet.engines.native.route_race import race_routes
+from tokenfleet.engines.native.kernels.loader import load_kernels
+from tokenfleet.engines.native.linear.onednn import PackedLinear
+from tokenfleet.engines.native.linear.race import race_routes
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class F32KernelLinear(nn.Module):
 
 def f32_kernel_available() -> bool:
     """Whether ``tokenfleet::linear_f32`` is built for this CPU (it needs AVX-512, or AVX2 and FMA)."""
-    if paged_attention_kernels() is None:
+    if load_kernels() is None:
         return False
     try:
         packed = torch.ops.tokenfleet.pack_linear_f32(torch.ones(2, 2))

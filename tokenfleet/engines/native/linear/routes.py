@@ -2,16 +2,16 @@
 
 Four routes, named as ``--bf16-linear`` names them:
 
-- ``amx``: :class:`~tokenfleet.engines.native.amx_linear.AmxLinear`, tokenfleet's AMX tile kernel
+- ``amx``: :class:`~tokenfleet.engines.native.linear.amx.AmxLinear`, tokenfleet's AMX tile kernel
   (``csrc/linear_amx_cpu.cpp``) on a copy packed at load for decode-sized calls, oneDNN's GEMM on
   the original weight for prefill-sized ones. AMX Xeons only.
 
-- ``float32``: :class:`~tokenfleet.engines.native.onednn_linear.PackedLinear`, oneDNN on a weight
+- ``float32``: :class:`~tokenfleet.engines.native.linear.onednn.PackedLinear`, oneDNN on a weight
   reordered once at load (no second copy). Always for float32 models (faster than ``F.linear``'s
   MKL GEMM at decode shapes); for bf16 ones where this CPU's float32 GEMM outruns its bf16 one.
   The arithmetic is a bf16 GEMM's (bf16 inputs widen exactly, float32 sums, output rounded to
   bf16); the weight is held in float32.
-- ``kernel``: :class:`~tokenfleet.engines.native.bf16_linear.KernelLinear`, tokenfleet's bf16 GEMM
+- ``kernel``: :class:`~tokenfleet.engines.native.linear.bf16.KernelLinear`, tokenfleet's bf16 GEMM
   (``csrc/linear_bf16_cpu.cpp``) on a weight packed at load: VDPBF16PS with AVX512-BF16, float32
   FMAs on widened weights otherwise.
 - ``native``: the model's own linears, left as they are.
@@ -29,14 +29,13 @@ from collections import Counter
 import torch
 from torch import nn
 
-from tokenfleet.engines.native.amx_linear import AmxLinear, amx_wanted
-from tokenfleet.engines.native.bf16_linear import KernelLinear, bf16_kernel_available, bf16_linear_speeds
 from tokenfleet.engines.native.device import BF16_SLOWER_HINT, bf16_matmul_speed
-from tokenfleet.engines.native.f32_linear import F32KernelLinear, f32_kernel_wanted
 from tokenfleet.engines.native.kv_sizing import available_memory_bytes
-from tokenfleet.engines.native.onednn_linear import DECODE_ROWS_HINT, PackedLinear
+from tokenfleet.engines.native.linear.amx import AmxLinear, amx_wanted
+from tokenfleet.engines.native.linear.bf16 import KernelLinear, bf16_kernel_available, bf16_linear_speeds
+from tokenfleet.engines.native.linear.f32 import F32KernelLinear, f32_kernel_wanted
+from tokenfleet.engines.native.linear.onednn import DECODE_ROWS_HINT, PackedLinear
 
-BF16_ROUTES = ("auto", "amx", "kernel", "float32", "native")
 KERNEL_MIN_DECODE_GAIN = 1.0  # auto takes the kernel when at least as fast at 32 rows ...
 KERNEL_MAX_PREFILL_LOSS = 0.95  # ... and at least this fast as the best other at 512 rows,
 KERNEL_MAX_PREFILL_LOSS_VS_FLOAT32 = 0.8  # or this fast where that is the float32 copy
@@ -86,7 +85,7 @@ def linear_route(
 ) -> str:
     """The route a model's linears take on ``device`` in ``dtype``, named as ``--bf16-linear``
     names them: ``amx`` (:class:`AmxLinear`), ``kernel`` (tokenfleet's: :class:`KernelLinear` for bf16,
-    :class:`~tokenfleet.engines.native.f32_linear.F32KernelLinear` for float32), ``float32``
+    :class:`~tokenfleet.engines.native.linear.f32.F32KernelLinear` for float32), ``float32``
     (:class:`PackedLinear`, oneDNN float32 GEMMs) or ``native`` (left as they are).
     ``bf16_route`` / ``f32_route`` are what was asked for a bf16 / float32 model (``auto``:
     measured); ``onednn`` False keeps ``F.linear`` where the kernel is not taken."""

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 import torch
 
 from tokenfleet.core.sequence import SeqState
-from tokenfleet.engines.native.core import Chosen
-from tokenfleet.engines.native.cpu_kernels import kernels_loaded
-from tokenfleet.engines.native.grammar_masks import GrammarMasks, PendingMasks, RowMasks
-from tokenfleet.engines.native.sampling import choose_tokens
+from tokenfleet.engines.native.kernels.loader import kernels_loaded
+from tokenfleet.engines.native.sampling.draw import choose_tokens
+from tokenfleet.engines.native.sampling.grammar_masks import GrammarMasks, PendingMasks, RowMasks
+from tokenfleet.engines.native.types import Chosen
 from tokenfleet.protocol import TokenLogprob
 
 NO_ALLOWED_TOKEN = "the response_format allows no token here (the grammar is at a dead end)"
