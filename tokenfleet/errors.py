@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tokenfleet.protocol.refusal import Refusal
-
 
 class TokenfleetError(Exception):
     """Base class of every tokenfleet exception."""
@@ -27,13 +22,6 @@ class ProtocolError(TokenfleetError):
         self.message = message
         self.request_id = request_id
         self.dead_letter = dead_letter
-
-    @property
-    def refusal(self) -> Refusal:
-        """This error as the worker answers it."""
-        from tokenfleet.protocol.refusal import Refusal  # protocol imports this module
-
-        return Refusal(self.code, self.message, self.dead_letter)
 
 
 class RequestFailed(TokenfleetError):

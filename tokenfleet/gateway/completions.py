@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tokenfleet.gateway.errors import APIError, api_error, reply_error
 from tokenfleet.gateway.service import Service
-from tokenfleet.gateway.streaming import START, Progress, chunks, follow, parse_event_id
+from tokenfleet.gateway.streaming import START, CompletionProgress, chunks, follow, parse_event_id
 from tokenfleet.gateway.watch import orphaned_error, unless_orphaned
 from tokenfleet.producer.openai_controls import decoder
 from tokenfleet.producer.openai_format import (
@@ -56,9 +56,9 @@ async def replay(
     completion = await service.records.load(completion_id)
     if completion is None:
         raise APIError(404, f"no completion {completion_id!r} (expired, or never made)", "not_found_error")
-    progress = Progress([START] * completion.choices)
+    progress = CompletionProgress([START] * completion.choices)
     if stream:
-        return await stream_response(service, request, completion, progress, include_usage=True, keep=True)
+        return await stream_response(service, completion, progress, include_usage=True, keep=True)
     return await whole_response(service, request, completion, keep=True)
 
 
@@ -72,12 +72,12 @@ async def serve(
     last_event_id = headers.get("last-event-id")
     if last_event_id:  # a dropped stream, picked up here
         completion, positions = await resumed(service, last_event_id)
-        progress = Progress(positions)
+        progress = CompletionProgress(positions)
     else:
         completion = await submit(service, kind, body, default_max_tokens, idempotency_key)
-        progress = Progress([START] * completion.choices)
+        progress = CompletionProgress([START] * completion.choices)
     if body.stream:
-        return await stream_response(service, request, completion, progress, body.include_usage, keep)
+        return await stream_response(service, completion, progress, body.include_usage, keep)
     return await whole_response(service, request, completion, keep)
 
 
@@ -127,9 +127,8 @@ async def submit(
 
 async def stream_response(
     service: Service,
-    request: Request,
     completion: Completion,
-    progress: Progress,
+    progress: CompletionProgress,
     include_usage: bool,
     keep: bool,
 ) -> JSONResponse | StreamingResponse:

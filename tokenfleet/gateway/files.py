@@ -17,7 +17,6 @@ from tokenfleet.protocol import MAX_REPLY_TTL_S, Keys
 
 router = APIRouter()
 FILE_TTL_S = MAX_REPLY_TTL_S
-PURPOSES = ("batch", "batch_output")
 
 
 def new_file_id() -> str:
@@ -26,11 +25,18 @@ def new_file_id() -> str:
 
 def store(redis: Any, keys: Keys, filename: str, purpose: str, content: bytes) -> dict[str, Any]:
     """Keep a file (sync client, as the batch job runs); returns its File object."""
-    meta = _meta(new_file_id(), filename, purpose, len(content))
     pipe = redis.pipeline(transaction=False)
+    meta = _queue_store(pipe, keys, filename, purpose, content)
+    pipe.execute()
+    return meta
+
+
+def _queue_store(pipe: Any, keys: Keys, filename: str, purpose: str, content: bytes) -> dict[str, Any]:
+    """Queue on ``pipe`` (sync or asyncio: the caller executes it) what keeps a new file, with
+    its expiry; returns its File object."""
+    meta = _meta(new_file_id(), filename, purpose, len(content))
     pipe.hset(keys.file(meta["id"]), mapping={"meta": json.dumps(meta), "content": content})
     pipe.expire(keys.file(meta["id"]), FILE_TTL_S)
-    pipe.execute()
     return meta
 
 
@@ -60,10 +66,9 @@ async def upload(
     content = await file.read(limit + 1)
     if len(content) > limit:
         raise APIError(413, f"file is larger than this gateway's limit of {limit} bytes", param="file")
-    meta = _meta(new_file_id(), file.filename or "upload.jsonl", purpose, len(content))
-    redis, keys = service.client.redis, service.client.keys
-    await redis.hset(keys.file(meta["id"]), mapping={"meta": json.dumps(meta), "content": content})
-    await redis.expire(keys.file(meta["id"]), FILE_TTL_S)
+    pipe = service.client.redis.pipeline(transaction=False)
+    meta = _queue_store(pipe, service.client.keys, file.filename or "upload.jsonl", purpose, content)
+    await pipe.execute()
     return meta
 
 

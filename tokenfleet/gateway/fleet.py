@@ -8,11 +8,9 @@ from typing import Any
 import redis
 from redis.exceptions import OutOfMemoryError
 
-from tokenfleet import protocol
 from tokenfleet.gateway.errors import APIError, api_error
-from tokenfleet.protocol import Keys
+from tokenfleet.protocol import Keys, parse_heartbeat
 from tokenfleet.transport.redis_memory import out_of_memory
-from tokenfleet.transport.registry import STALE_AFTER_S
 
 CACHE_S = 2.0
 
@@ -30,16 +28,13 @@ class Fleet:
         """Served model name -> how many live workers serve it."""
         if time.monotonic() - self._at > CACHE_S:
             now, models, known = time.time(), dict[str, int](), set()
-            for raw in (await self.redis.hgetall(self.keys.workers)).values():
-                try:
-                    beat = protocol.unpack(raw)
-                except ValueError:
-                    continue
-                if not isinstance(beat, dict):
+            for worker, raw in (await self.redis.hgetall(self.keys.workers)).items():
+                beat = parse_heartbeat(worker, raw, now)
+                if beat is None:
                     continue
                 name = str(beat.get("model", "unknown"))
                 known.add(name)
-                if now - float(beat.get("seen", 0)) < STALE_AFTER_S:
+                if beat["alive"]:
                     models[name] = models.get(name, 0) + 1
             self._models, self._known, self._at = models, known, time.monotonic()
         return self._models

@@ -33,7 +33,7 @@ def parse_event_id(value: str) -> tuple[str, list[str]]:
 
 
 @dataclass
-class Progress:
+class CompletionProgress:
     """Where a streamed completion stands: each choice's position, whether it has begun (chat's
     first delta carries the role), and the usage of those that are done."""
 
@@ -48,7 +48,7 @@ class Progress:
 async def follow(
     client: AsyncClient,
     completion: Completion,
-    progress: Progress,
+    progress: CompletionProgress,
     timeout: float,
     until_lost: Callable[[], Awaitable[BaseException]] | None = None,
 ) -> AsyncGenerator[tuple[int, ReplyEvent], None]:
@@ -83,7 +83,7 @@ async def follow(
             task.cancel()
 
 
-async def done_events(client: AsyncClient, completion: Completion, progress: Progress) -> None:
+async def done_events(client: AsyncClient, completion: Completion, progress: CompletionProgress) -> None:
     """Read the ``done`` events of choices that ended before a resumed stream (for its usage)."""
     for k, position in enumerate(progress.positions):
         if position == TERMINAL_EVENT_ID and k not in progress.usage:
@@ -103,7 +103,7 @@ def sse(data: dict[str, Any] | str, event_id: str | None = None) -> bytes:
 async def chunks(
     client: AsyncClient,
     completion: Completion,
-    progress: Progress,
+    progress: CompletionProgress,
     events: AsyncIterator[tuple[int, ReplyEvent]],
     include_usage: bool,
 ) -> AsyncIterator[bytes]:
@@ -158,7 +158,7 @@ async def chunks(
     yield sse("[DONE]")
 
 
-def usage_of(completion: Completion, progress: Progress) -> dict[str, int]:
+def usage_of(completion: Completion, progress: CompletionProgress) -> dict[str, int]:
     """Prompt tokens once per prompt (its ``n`` choices share it), completion tokens of all."""
     done = progress.usage
     prompt = sum(e.prompt_tokens for k, e in done.items() if k % completion.n == 0)

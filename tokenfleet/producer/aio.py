@@ -19,21 +19,13 @@ from tokenfleet.producer.base import (
     RECONNECT_GIVE_UP_S,
     ClientBase,
     Continuity,
-    Liveness,
-    Outage,
+    Following,
+    HandleBase,
     mark_reply_stream,
-    new_events,
-    reply_events,
 )
 from tokenfleet.producer.replies import ReplyReader
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
-from tokenfleet.producer.routing import (
-    enqueue_args,
-    next_block_ms,
-    queue_full_error,
-    result_timeout,
-    target_stream,
-)
+from tokenfleet.producer.routing import enqueue_args, queue_full_error, result_timeout, target_stream
 from tokenfleet.protocol import ReplyEvent
 from tokenfleet.transport.connection import connect_async_client
 
@@ -92,7 +84,7 @@ class AsyncClient(ClientBase):
                     await self.redis.delete(reply)
             raise queue_full_error(enqueued) or enqueued
         self._remember_submitted(request.id)
-        return AsyncHandle(self, request.id)
+        return AsyncHandle(self, request.id, stream)
 
     async def chat(
         self, messages: list[dict[str, str]], *, request_id: str | None = None, **params: Any
@@ -108,85 +100,66 @@ class AsyncClient(ClientBase):
         :class:`~tokenfleet.errors.ResultTimeout` when ``timeout`` seconds pass first, and
         :class:`~tokenfleet.errors.RequestFailed` ``lost`` where Redis lost part of the reply."""
         continuity = Continuity(request_id, from_start=after == "0")
-        async for event in self._events(request_id, timeout, after):
+        async for event in self._events(self._following(request_id, timeout, after)):
             continuity.check(event)
             yield event
 
-    async def _events(self, request_id: str, timeout: float | None, after: str) -> AsyncIterator[ReplyEvent]:
-        key = self.keys.reply_stream(request_id)
+    async def _events(self, follow: Following) -> AsyncIterator[ReplyEvent]:
         # Cluster (reply streams on different slots), or this request already followed here (a
         # second reader of it): an XREAD of its own
-        if self._replies is None or self._replies.following(key):
-            async for event in self._events_one_read_each(request_id, timeout, after):
+        if self._replies is None or self._replies.following(follow.key):
+            async for event in self._events_one_read_each(follow):
                 yield event
             return
-        deadline = None if timeout is None else time.monotonic() + timeout
-        inbox = await self._replies.follow(key, after)
+        inbox = await self._replies.follow(follow.key, follow.last)
         # one timer per request, not one per wait (a timer armed and cancelled for every event
         # was a quarter of the client's CPU per event): at the deadline it hands the inbox the
         # timeout, which ends a wait for entries as a connection error does
-        expiry = None
-        if deadline is not None:
-            expiry = asyncio.get_running_loop().call_later(
-                max(0.0, deadline - time.monotonic()), inbox.put_nowait, result_timeout(request_id, timeout)
-            )
-        # a quiet stream is looked at every LIVENESS_S: an empty list in the inbox says when
-        liveness = self._liveness(request_id)
         loop = asyncio.get_running_loop()
+        expiry = None
+        if follow.deadline is not None:
+            left_s = max(0.0, follow.deadline - time.monotonic())
+            timed_out = result_timeout(follow.request_id, follow.timeout)
+            expiry = loop.call_later(left_s, inbox.put_nowait, timed_out)
+        # a quiet stream is looked at every LIVENESS_S: an empty list in the inbox says when
         ticker = loop.call_later(LIVENESS_S, inbox.put_nowait, [])
         try:
-            while True:
-                next_block_ms(request_id, deadline, timeout)  # raises past the deadline
+            while not follow.ended:
+                follow.block_ms()  # raises past the deadline
                 entries = await inbox.get()
                 if isinstance(entries, BaseException):
                     raise entries
                 if not entries:
-                    if liveness.due():
-                        await self._judge(liveness, key)
+                    if follow.due():
+                        follow.judge(await self._exists(follow.key))
                     ticker = loop.call_later(LIVENESS_S, inbox.put_nowait, [])
                     continue
-                liveness.events_came()
-                for _, event in reply_events(entries):
+                for event in follow.arrived(entries):
                     yield event
-                    if event.terminal:
-                        return
         finally:
             ticker.cancel()
             if expiry is not None:
                 expiry.cancel()
-            self._replies.unfollow(key)
+            self._replies.unfollow(follow.key)
 
-    async def _events_one_read_each(
-        self, request_id: str, timeout: float | None, after: str
-    ) -> AsyncIterator[ReplyEvent]:
-        key = self.keys.reply_stream(request_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        last: Any = after
-        outage = Outage()
-        liveness = self._liveness(request_id)
-        while True:
+    async def _events_one_read_each(self, follow: Following) -> AsyncIterator[ReplyEvent]:
+        while not follow.ended:
             try:
-                resp = await self.redis.xread({key: last}, block=next_block_ms(request_id, deadline, timeout))
-                if resp:
-                    liveness.events_came()
-                elif liveness.due():
-                    await self._judge(liveness, key)
+                resp = await self.redis.xread({follow.key: follow.last}, block=follow.block_ms())
             except (RedisConnectionError, RedisTimeoutError) as e:
-                await asyncio.sleep(outage.failed(e))
+                await asyncio.sleep(follow.failed(e))
                 continue
-            outage.over()
-            last, events = new_events(resp, last)
-            for event in events:
+            if not resp and follow.due():
+                follow.judge(await self._exists(follow.key))
+            for event in follow.answer(resp):
                 yield event
-                if event.terminal:
-                    return
 
-    async def _judge(self, liveness: Liveness, key: str) -> None:
+    async def _exists(self, key: str) -> bool | None:
+        """Whether ``key`` exists; None while Redis is away."""
         try:
-            exists = bool(await self.redis.exists(key))
+            return bool(await self.redis.exists(key))
         except (RedisConnectionError, RedisTimeoutError):
-            return  # Redis away: the read's own retries deal with it
-        liveness.judge(exists)
+            return None
 
     async def stream(self, request_id: str, timeout: float | None = None) -> AsyncIterator[Chunk]:
         builder = ResultBuilder(request_id)
@@ -221,22 +194,21 @@ class AsyncClient(ClientBase):
         await self.close()
 
 
-class AsyncHandle:
-    def __init__(self, client: AsyncClient, request_id: str):
+class AsyncHandle(HandleBase):
+    """A submitted request."""
+
+    def __init__(self, client: AsyncClient, request_id: str, stream: str | None = None):
+        super().__init__(request_id, stream)
         self.client = client
-        self.id = request_id
 
     def stream(self, timeout: float | None = None) -> AsyncIterator[Chunk]:
         return self.client.stream(self.id, timeout)
 
-    def events(self, timeout: float | None = None) -> AsyncIterator[ReplyEvent]:
-        return self.client.events(self.id, timeout)
+    def events(self, timeout: float | None = None, after: str = "0") -> AsyncIterator[ReplyEvent]:
+        return self.client.events(self.id, timeout, after)
 
     async def result(self, timeout: float | None = None) -> Result:
         return await self.client.result(self.id, timeout)
 
     async def cancel(self) -> None:
         await self.client.cancel(self.id)
-
-    def __repr__(self) -> str:
-        return f"AsyncHandle({self.id!r})"

@@ -3,15 +3,16 @@ building and validation, so that both behave the same."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from tokenfleet import protocol
 from tokenfleet.config import prefix_from_env
 from tokenfleet.errors import RequestFailed
-from tokenfleet.producer.routing import build_request, load_tokenizer
+from tokenfleet.producer.routing import build_request, load_tokenizer, next_block_ms, result_timeout
 from tokenfleet.protocol import DoneEvent, ErrorCode, Keys, ReplyEvent, Request, TokenEvent
 from tokenfleet.transport import scripts
 
@@ -55,8 +56,11 @@ class Liveness:
     def events_came(self) -> None:
         self.seen, self.checked = True, time.monotonic()
 
-    def judge(self, exists: bool) -> None:
-        """After an EXISTS of the stream; raises :class:`RequestFailed` ``lost``."""
+    def judge(self, exists: bool | None) -> None:
+        """After an EXISTS of the stream (None: Redis away, the read's own retries deal with it);
+        raises :class:`RequestFailed` ``lost``."""
+        if exists is None:
+            return
         self.checked = time.monotonic()
         if exists:
             self.seen = True
@@ -83,14 +87,63 @@ class Outage:
         self.since = None
 
 
-def new_events(resp: Any, last: Any) -> tuple[Any, list[ReplyEvent]]:
-    """The events of one XREAD of a reply stream, up to and with a terminal one, and the id to
-    read after next."""
-    events: list[ReplyEvent] = []
-    for _, items in resp or []:
-        events += [event for _, event in reply_events(items)]
-        last = items[-1][0] if items else last
-    return last, events
+class Following:
+    """One request's reply stream as its follower sees it, whoever reads it (the client's shared
+    read, or a read of its own): the deadline, the id read up to, the outage and liveness verdicts,
+    and the events a read brought, up to the terminal one. The clients do the reads; the
+    decisions are made here, alike for both (no I/O)."""
+
+    def __init__(self, request_id: str, key: str, timeout: float | None, after: str, known: bool):
+        self.request_id = request_id
+        self.key = key
+        self.timeout = timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.last: Any = after  # the entry id read up to
+        self.liveness = Liveness(request_id, known)
+        self.outage = Outage()
+        self.ended = False  # the terminal event was handed over
+
+    def block_ms(self) -> int:
+        """How long the next XREAD may block; raises :class:`ResultTimeout` past the deadline."""
+        return next_block_ms(self.request_id, self.deadline, self.timeout)
+
+    def wait_s(self) -> float:
+        """How long to wait for the shared read's next entries before looking at the stream;
+        raises :class:`ResultTimeout` past the deadline."""
+        wait_s = LIVENESS_S if self.deadline is None else min(LIVENESS_S, self.deadline - time.monotonic())
+        if wait_s <= 0:
+            raise result_timeout(self.request_id, self.timeout)
+        return wait_s
+
+    def due(self) -> bool:
+        """Whether, after a wait that brought nothing, the stream's existence is to be checked
+        (then pass what EXISTS said, or None, to :meth:`judge`)."""
+        return self.liveness.due()
+
+    def judge(self, exists: bool | None) -> None:
+        self.liveness.judge(exists)
+
+    def failed(self, error: Exception) -> float:
+        """The pause before reading again after a connection error; raises it once too long."""
+        return self.outage.failed(error)
+
+    def answer(self, resp: Any) -> Iterator[ReplyEvent]:
+        """The events an XREAD of this stream alone returned (``resp``), up to the terminal one."""
+        self.outage.over()
+        return itertools.chain.from_iterable([self.arrived(items) for _, items in resp or []])
+
+    def arrived(self, entries: Sequence[tuple[Any, dict[bytes, bytes]]]) -> Iterator[ReplyEvent]:
+        """The events of entries read from the stream, in order, up to and with the terminal one
+        (decoded as they are taken: those before a malformed one are handed over first)."""
+        if entries:
+            self.liveness.events_came()
+            self.last = entries[-1][0]  # past entries of kinds this release skips, too
+        return self._decoded(entries)
+
+    def _decoded(self, entries: Sequence[tuple[Any, dict[bytes, bytes]]]) -> Iterator[ReplyEvent]:
+        for _, event in reply_events(entries):
+            self.ended = event.terminal
+            yield event
 
 
 def reply_events(items: Iterable[tuple[Any, dict[bytes, bytes]]]) -> Iterator[tuple[Any, ReplyEvent]]:
@@ -129,6 +182,23 @@ class Continuity:
         return RequestFailed(self.request_id, ErrorCode.LOST, message)
 
 
+class HandleBase:
+    """A submitted request (what :class:`~tokenfleet.producer.Handle` and
+    :class:`~tokenfleet.producer.AsyncHandle` share)."""
+
+    def __init__(self, request_id: str, stream: str | None = None):
+        self.id = request_id
+        self.stream_key = stream  # the request stream it was enqueued on
+
+    @property
+    def bucket(self) -> str | None:
+        """The bucket it went to (``auto`` when a worker routes it), if submitted here."""
+        return self.stream_key.split(":req:", 1)[1].split(":")[0] if self.stream_key else None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.id!r})"
+
+
 class ClientBase:
     def __init__(self, redis_client: Any, model: str | None, prefix: str | None, buckets: list[int] | None):
         self.redis = redis_client
@@ -145,8 +215,9 @@ class ClientBase:
         if len(self._submitted) > SUBMITTED_KEPT:
             self._submitted.popitem(last=False)
 
-    def _liveness(self, request_id: str) -> Liveness:
-        return Liveness(request_id, known=request_id in self._submitted)
+    def _following(self, request_id: str, timeout: float | None, after: str) -> Following:
+        key = self.keys.reply_stream(request_id)
+        return Following(request_id, key, timeout, after, known=request_id in self._submitted)
 
     def _cached_buckets(self) -> list[int] | None:
         """The bucket list if it needs no Redis round trip (given, or fresh in the cache)."""

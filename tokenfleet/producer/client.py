@@ -14,24 +14,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet.config import redis_url_from_env
 from tokenfleet.producer.base import (
-    LIVENESS_S,
     RECONNECT_GIVE_UP_S,
     ClientBase,
     Continuity,
-    Liveness,
-    Outage,
+    Following,
+    HandleBase,
     mark_reply_stream,
-    new_events,
-    reply_events,
 )
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
-from tokenfleet.producer.routing import (
-    enqueue_args,
-    next_block_ms,
-    queue_full_error,
-    result_timeout,
-    target_stream,
-)
+from tokenfleet.producer.routing import enqueue_args, queue_full_error, target_stream
 from tokenfleet.producer.thread_replies import ThreadedReplyReader
 from tokenfleet.protocol import ReplyEvent
 from tokenfleet.transport.connection import connect_client
@@ -126,74 +117,54 @@ class Client(ClientBase):
         model's end-of-turn token ends it. Same ``params`` as :meth:`submit`."""
         return self.submit(request_id=request_id, messages=messages, **params)
 
-    def events(self, request_id: str, timeout: float | None = None) -> Iterator[ReplyEvent]:
-        """Every reply event of a request from the first, live, until the terminal one. Works for
-        requests submitted elsewhere, earlier (until their reply TTL expires). Safe to call from
-        many threads at once: one read follows every stream this client is streaming. Raises
-        :class:`RequestFailed` ``lost`` where Redis lost part of the reply (a hole in it)."""
-        continuity = Continuity(request_id)
-        for event in self._events(request_id, timeout):
+    def events(self, request_id: str, timeout: float | None = None, after: str = "0") -> Iterator[ReplyEvent]:
+        """The request's reply events in order, live, until its terminal one, from the one past
+        ``after`` (a reply-stream id: an event's ``stream_id``, to resume a dropped stream). Works
+        for requests submitted elsewhere, earlier (until their reply TTL expires). Safe to call
+        from many threads at once: one read follows every stream this client is streaming. Raises
+        :class:`~tokenfleet.errors.ResultTimeout` when ``timeout`` seconds pass first, and
+        :class:`~tokenfleet.errors.RequestFailed` ``lost`` where Redis lost part of the reply."""
+        continuity = Continuity(request_id, from_start=after == "0")
+        for event in self._events(self._following(request_id, timeout, after)):
             continuity.check(event)
             yield event
 
-    def _events(self, request_id: str, timeout: float | None) -> Iterator[ReplyEvent]:
-        key = self.keys.reply_stream(request_id)
-        if self._replies is None or self._replies.following(key):  # Cluster, or a second reader of it
-            yield from self._events_one_read_each(request_id, timeout)
+    def _events(self, follow: Following) -> Iterator[ReplyEvent]:
+        if self._replies is None or self._replies.following(follow.key):  # Cluster, or a second reader
+            yield from self._events_one_read_each(follow)
             return
-        deadline = None if timeout is None else time.monotonic() + timeout
-        liveness = self._liveness(request_id)
-        inbox = self._replies.follow(key)
+        inbox = self._replies.follow(follow.key, follow.last)
         try:
-            while True:
-                wait_s = LIVENESS_S if deadline is None else min(LIVENESS_S, deadline - time.monotonic())
-                if wait_s <= 0:
-                    raise result_timeout(request_id, timeout)
+            while not follow.ended:
                 try:
-                    entries = inbox.get(timeout=wait_s)
-                except queue.Empty:  # the deadline (checked above), or a quiet stream: still there?
-                    if liveness.due():
-                        self._judge(liveness, key)
+                    entries = inbox.get(timeout=follow.wait_s())
+                except queue.Empty:  # the deadline (wait_s raises past it), or a quiet stream: still there?
+                    if follow.due():
+                        follow.judge(self._exists(follow.key))
                     continue
                 if isinstance(entries, BaseException):
                     raise entries
-                liveness.events_came()
-                for _, event in reply_events(entries):
-                    yield event
-                    if event.terminal:
-                        return
+                yield from follow.arrived(entries)
         finally:
-            self._replies.unfollow(key)
+            self._replies.unfollow(follow.key)
 
-    def _events_one_read_each(self, request_id: str, timeout: float | None) -> Iterator[ReplyEvent]:
-        key = self.keys.reply_stream(request_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        last: Any = "0"
-        outage = Outage()
-        liveness = self._liveness(request_id)
-        while True:
+    def _events_one_read_each(self, follow: Following) -> Iterator[ReplyEvent]:
+        while not follow.ended:
             try:
-                resp = self.redis.xread({key: last}, block=next_block_ms(request_id, deadline, timeout))
-                if resp:
-                    liveness.events_came()
-                elif liveness.due():
-                    self._judge(liveness, key)
+                resp = self.redis.xread({follow.key: follow.last}, block=follow.block_ms())
             except (RedisConnectionError, RedisTimeoutError) as e:
-                time.sleep(outage.failed(e))
+                time.sleep(follow.failed(e))
                 continue
-            outage.over()
-            last, events = new_events(resp, last)
-            for event in events:
-                yield event
-                if event.terminal:
-                    return
+            if not resp and follow.due():
+                follow.judge(self._exists(follow.key))
+            yield from follow.answer(resp)
 
-    def _judge(self, liveness: Liveness, key: str) -> None:
+    def _exists(self, key: str) -> bool | None:
+        """Whether ``key`` exists; None while Redis is away."""
         try:
-            exists = bool(self.redis.exists(key))
+            return bool(self.redis.exists(key))
         except (RedisConnectionError, RedisTimeoutError):
-            return  # Redis away: the read's own retries deal with it
-        liveness.judge(exists)
+            return None
 
     def stream(self, request_id: str, timeout: float | None = None) -> Iterator[Chunk]:
         """Token chunks as they arrive; raises :class:`RequestFailed` on an ``error`` event."""
@@ -230,30 +201,21 @@ class Client(ClientBase):
         self.close()
 
 
-class Handle:
+class Handle(HandleBase):
     """A submitted request."""
 
     def __init__(self, client: Client, request_id: str, stream: str | None = None):
+        super().__init__(request_id, stream)
         self.client = client
-        self.id = request_id
-        self.stream_key = stream  # the request stream it was enqueued on
-
-    @property
-    def bucket(self) -> str | None:
-        """The bucket it went to (``auto`` when a worker routes it), if submitted here."""
-        return self.stream_key.split(":req:", 1)[1].split(":")[0] if self.stream_key else None
 
     def stream(self, timeout: float | None = None) -> Iterator[Chunk]:
         return self.client.stream(self.id, timeout)
 
-    def events(self, timeout: float | None = None) -> Iterator[ReplyEvent]:
-        return self.client.events(self.id, timeout)
+    def events(self, timeout: float | None = None, after: str = "0") -> Iterator[ReplyEvent]:
+        return self.client.events(self.id, timeout, after)
 
     def result(self, timeout: float | None = None) -> Result:
         return self.client.result(self.id, timeout)
 
     def cancel(self) -> None:
         self.client.cancel(self.id)
-
-    def __repr__(self) -> str:
-        return f"Handle({self.id!r})"

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tokenfleet.config import GatewayConfig
 from tokenfleet.producer.openai_controls import (
     ChatLogprobFields,
     CompletionLogprobFields,
@@ -29,7 +30,6 @@ from tokenfleet.protocol import LANES, ErrorCode, TokenLogprob
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-CHAT_DEFAULT_MAX_TOKENS = 256  # a chat without max_tokens (OpenAI's: the context's rest)
 MAX_CHOICES = 16
 # reply codes that are the request's fault (HTTP 400); the rest are the fleet's (500)
 CLIENT_ERROR_CODES = frozenset(
@@ -195,8 +195,9 @@ class Completion:
     ) -> list[tuple[str, dict[str, Any]]]:
         """Each choice's request id and submit arguments (``extra``: e.g. a deadline); ``lane``
         is the priority lane unless the body asks for one (bulk jobs pass the batch lane)."""
+        # a chat without max_tokens: the gateway's setting, else its default (OpenAI's: the context's rest)
         default = default_max_tokens or (
-            CHAT_DEFAULT_MAX_TOKENS if self.kind == "chat" else COMPLETIONS_DEFAULT_MAX_TOKENS
+            GatewayConfig.default_max_tokens if self.kind == "chat" else COMPLETIONS_DEFAULT_MAX_TOKENS
         )
         inputs, params = body.inputs(), body.request_params(default)
         if body.lane() or lane:

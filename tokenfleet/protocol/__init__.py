@@ -51,6 +51,7 @@ from tokenfleet.protocol.events import (
     encode_event,
     is_duplicate_event_error,
 )
+from tokenfleet.protocol.heartbeat import STALE_AFTER_S, parse_heartbeat
 from tokenfleet.protocol.keys import Keys
 from tokenfleet.protocol.output_controls import ResponseFormat
 from tokenfleet.protocol.refusal import Refusal
@@ -76,6 +77,7 @@ __all__ = [
     "MAX_PROMPT_BYTES",
     "MAX_REPLY_TTL_S",
     "PROTOCOL_VERSION",
+    "STALE_AFTER_S",
     "TERMINAL_EVENTS",
     "TERMINAL_EVENT_ID",
     "DoneEvent",
@@ -99,6 +101,7 @@ __all__ = [
     "encode_request",
     "is_duplicate_event_error",
     "pack",
+    "parse_heartbeat",
     "salvage_reply",
     "smallest_bucket",
     "unpack",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenfleet.errors import ProtocolError
+
 
 @dataclass(frozen=True)
 class Refusal:
@@ -14,3 +16,8 @@ class Refusal:
     code: str
     message: str
     dead_letter: bool = False
+
+    @classmethod
+    def of(cls, error: ProtocolError) -> Refusal:
+        """How the worker answers an entry that broke the wire contract."""
+        return cls(error.code, error.message, error.dead_letter)

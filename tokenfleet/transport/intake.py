@@ -61,7 +61,7 @@ def decode(entry: Entry, redelivered: bool = False) -> Incoming:
     try:
         return Incoming(entry, protocol.decode_request(entry.fields), redelivered=redelivered)
     except ProtocolError as e:
-        return Incoming(entry, None, e.refusal, redelivered)
+        return Incoming(entry, None, Refusal.of(e), redelivered)
 
 
 def _fields(flat: list[Any]) -> Fields:
@@ -87,7 +87,7 @@ class StreamReader:
         client: redis.Redis,
         lanes: Sequence[Sequence[str]],
         consumer: str,
-        steal_after_ms: int = 500,
+        steal_after_ms: int,
     ):
         self.client = client
         self.all_lanes = [list(streams) for streams in lanes]  # every stream this worker may read

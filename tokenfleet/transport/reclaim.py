@@ -129,7 +129,7 @@ class Reclaimer:
 
 
 @dataclass(frozen=True)
-class Progress:
+class ReplyProgress:
     """What an earlier attempt already wrote on a request's reply stream."""
 
     token_ids: list[int]
@@ -137,7 +137,7 @@ class Progress:
     finished: bool
 
 
-def read_progress(client: redis.Redis, keys: Keys, request_id: str) -> Progress:
+def read_progress(client: redis.Redis, keys: Keys, request_id: str) -> ReplyProgress:
     """Tokens already streamed for a request (in index order, each once) and whether it ended."""
     ids: list[int] = []
     texts: list[str] = []
@@ -150,4 +150,4 @@ def read_progress(client: redis.Redis, keys: Keys, request_id: str) -> Progress:
             texts.append(event.text)
         elif event is not None and event.terminal:
             finished = True
-    return Progress(ids, texts, finished)
+    return ReplyProgress(ids, texts, finished)

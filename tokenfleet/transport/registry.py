@@ -11,27 +11,15 @@ import redis
 from redis.typing import EncodableT, FieldT
 
 from tokenfleet import protocol
-from tokenfleet.protocol import AUTO_BUCKET, Keys
-
-STALE_AFTER_S = 10.0  # a worker silent this long is not alive (heartbeats come every 2 s)
+from tokenfleet.protocol import AUTO_BUCKET, Keys, parse_heartbeat
 
 
 def heartbeats(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     """Every worker's last heartbeat, with ``name``, ``alive`` and ``seen_s_ago``."""
     now = time.time()
-    beats = []
     entries: dict[Any, Any] = client.hgetall(keys.workers)
-    for name, raw in sorted(entries.items()):
-        try:
-            beat = protocol.unpack(raw)
-        except ValueError:
-            continue
-        if not isinstance(beat, dict):
-            continue
-        age = now - float(beat.get("seen", 0))
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        beats.append({"name": name, "alive": age < STALE_AFTER_S, "seen_s_ago": round(age, 1), **beat})
-    return beats
+    parsed = (parse_heartbeat(name, raw, now) for name, raw in sorted(entries.items()))
+    return [beat for beat in parsed if beat is not None]
 
 
 def serving_workers(client: redis.Redis, keys: Keys, bucket: int | str | None = None) -> list[str]:

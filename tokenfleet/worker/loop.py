@@ -120,7 +120,7 @@ class Worker:
             self.metrics.serve(self.config.metrics_port)
             self._metrics_served = True
         self.reader.ensure_groups()
-        self.upkeep.check_redis_memory()
+        self.upkeep.check_redis_memory(strict=False)  # `tokenfleet worker` checked strictly before
         reliability = self.config.reliability
         limits = {"interactive": reliability.max_queue, "batch": reliability.batch_max_queue}
         self.registry.announce(self.config.batching.buckets, limits)

@@ -91,9 +91,9 @@ class Upkeep:
             self.assign_shards()
         self.fleet.get()  # every FLEET_BUCKETS_TTL_S: {P}:buckets keeps live workers' only
         if time.monotonic() - self._memory_checked > RECHECK_S:
-            self.check_redis_memory()
+            self.check_redis_memory(strict=False)  # a change after start-up: warned, never fatal
 
-    def check_redis_memory(self, strict: bool = False) -> MemoryPolicy:
+    def check_redis_memory(self, strict: bool) -> MemoryPolicy:
         """May Redis evict our keys? At start-up (``strict``: raise
         :class:`~tokenfleet.transport.redis_memory.EvictingRedis`), then every
         :data:`RECHECK_S` (a restart or CONFIG SET): warned once per change, and kept in
