@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    from tokenfleet.transport.embedded import EmbeddedRedis
+    from tokenfleet.transport.server.embedded import EmbeddedRedis
 
     model_dir = model_or_built(args.model)
     chat = make_chat(args.chats, args.system_len, args.user_len, args.turns, args.new_tokens, args.seed)

@@ -92,7 +92,7 @@ def turn_stats(name: str, waves: list[dict], note: str) -> dict:
 def run_tokenfleet(model_dir: str, dtype: str, chat: Chat, prefix_caching: bool) -> dict:
     from bench.defaults_e2e import warm_pool
     from tokenfleet.producer import Client
-    from tokenfleet.transport.embedded import EmbeddedRedis
+    from tokenfleet.transport.server.embedded import EmbeddedRedis
 
     flags = ["--dtype", dtype] + ([] if prefix_caching else ["--no-prefix-caching"])
     prefix = f"chat-{os.getpid()}"

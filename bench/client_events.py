@@ -74,7 +74,7 @@ def main() -> None:
     args = p.parse_args()
 
     from tokenfleet.producer import AsyncClient
-    from tokenfleet.transport.embedded import EmbeddedRedis
+    from tokenfleet.transport.server.embedded import EmbeddedRedis
 
     rounds = []
     with EmbeddedRedis() as server:

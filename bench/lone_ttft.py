@@ -32,7 +32,7 @@ from bench.common import (
 from bench.workload import make_workload
 from tokenfleet.models import SIZES
 from tokenfleet.producer import Client
-from tokenfleet.transport.embedded import EmbeddedRedis
+from tokenfleet.transport.server.embedded import EmbeddedRedis
 
 IDLE_S = 0.3
 

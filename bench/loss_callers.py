@@ -42,7 +42,7 @@ class Gateway:
     def __init__(self, url: str, prefix: str, model_dir: str):
         import httpx
 
-        from tokenfleet.transport.embedded import free_port
+        from tokenfleet.transport.server.embedded import free_port
 
         self.base = f"http://127.0.0.1:{free_port()}"
         port = self.base.rsplit(":", 1)[1]

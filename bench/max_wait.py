@@ -20,7 +20,7 @@ import time
 
 from bench.common import model_or_built, percentile, worker_process
 from tokenfleet.producer import AsyncClient
-from tokenfleet.transport.embedded import EmbeddedRedis
+from tokenfleet.transport.server.embedded import EmbeddedRedis
 
 CONFIGS = [
     ("static batch 1", ["--mode", "static", "--max-batch-size", "1"]),

@@ -47,7 +47,7 @@ from bench.loss_callers import (
 def restart_drill(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     import redis
 
-    from tokenfleet.transport.embedded import EmbeddedRedis
+    from tokenfleet.transport.server.embedded import EmbeddedRedis
 
     server = EmbeddedRedis().start()
     prefix = f"drill-restart-{os.getpid()}"
@@ -131,7 +131,7 @@ def room_after(admin: Any) -> Iterator[None]:
 def full_drill(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     import redis
 
-    from tokenfleet.transport.embedded import EmbeddedRedis
+    from tokenfleet.transport.server.embedded import EmbeddedRedis
     from tokenfleet.transport.status import redis_memory
 
     server = EmbeddedRedis().start()
@@ -183,7 +183,7 @@ def rows_of(path: str) -> list[dict[str, Any]]:
 
 
 def batch_drill(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
-    from tokenfleet.transport.embedded import EmbeddedRedis
+    from tokenfleet.transport.server.embedded import EmbeddedRedis
 
     server = EmbeddedRedis().start()
     prefix = f"drill-batch-{os.getpid()}"

@@ -155,7 +155,7 @@ def run_e2e(
 ) -> dict:
 
     from tokenfleet.producer import AsyncClient
-    from tokenfleet.transport.embedded import EmbeddedRedis
+    from tokenfleet.transport.server.embedded import EmbeddedRedis
 
     prefix = f"compare-{os.getpid()}"
     flags = worker_flags(

@@ -31,7 +31,7 @@ import redis
 from bench.common import model_or_built
 from tokenfleet.producer import Client
 from tokenfleet.protocol import Keys
-from tokenfleet.transport.embedded import EmbeddedRedis
+from tokenfleet.transport.server.embedded import EmbeddedRedis
 
 WORDS = ["queue", "stream", "token", "fleet", "batch", "cache", "block", "worker", "redis", "slot"]
 TIMES = re.compile(

@@ -149,7 +149,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128, help="prefill: each prompt; decode: the context")
     p.add_argument("--repeats", type=int, default=10, help="profiled steps per row (the median is given)")
     args = p.parse_args()
-    from tokenfleet.worker.malloc import arrange
+    from tokenfleet.worker.process.malloc import arrange
 
     # the worker's allocator (tcmalloc where found): under glibc a prefill's large buffers are
     # mapped and faulted in afresh on every step, which a worker never pays

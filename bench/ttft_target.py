@@ -34,7 +34,7 @@ from pathlib import Path
 from bench.common import host_kind, model_or_built, percentile, worker_process
 from tokenfleet.models import SIZES
 from tokenfleet.producer import AsyncClient
-from tokenfleet.transport.embedded import EmbeddedRedis, free_port
+from tokenfleet.transport.server.embedded import EmbeddedRedis, free_port
 
 FIXED_WAIT_SHARES = (0, 1 / 30, 1 / 12, 1 / 6, 1 / 3, 2 / 3)  # of the target: 0-200 ms for 300 ms
 WORDS = ["queue", "stream", "token", "fleet", "batch", "cache", "block", "worker", "redis", "slot"]

@@ -69,7 +69,7 @@ def main() -> None:
     args = p.parse_args()
 
     from tokenfleet.producer import AsyncClient
-    from tokenfleet.transport.embedded import EmbeddedRedis
+    from tokenfleet.transport.server.embedded import EmbeddedRedis
 
     model_dir = model_or_built(args.model, args.size)
     reqs = make_workload("fixed", args.requests, args.prompt_len, args.new_tokens, 1.0, 0)

@@ -26,8 +26,8 @@ import pytest  # noqa: E402
 import redis  # noqa: E402
 
 from tokenfleet.config import DynamicBatchingConfig, EngineConfig, KVCacheConfig, worker_config  # noqa: E402
-from tokenfleet.protocol import Keys  # noqa: E402
-from tokenfleet.transport.embedded import EmbeddedRedis, answers  # noqa: E402
+from tokenfleet.protocol import Keys, decode_event  # noqa: E402
+from tokenfleet.transport.server.embedded import EmbeddedRedis, answers  # noqa: E402
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 # Under CI, a part CI is meant to provide (the kernels, redis-server and redis-cli, kubectl, vLLM in
@@ -55,7 +55,7 @@ def kernels() -> None:
 @pytest.fixture(scope="session")
 def redis_server_binary() -> str:
     """A redis-server (or valkey-server, or the embedded one) to start private servers with."""
-    from tokenfleet.transport.embedded import find_server_binary
+    from tokenfleet.transport.server.embedded import find_server_binary
 
     found = find_server_binary()
     if found is None:
@@ -255,6 +255,20 @@ class RunningWorker:
     @property
     def prefill_sizes(self) -> list[int]:
         return [b.size for b in self.batches if b.kind == "prefill"]
+
+
+def reply_events(r: redis.Redis, prefix: str, request_id: str) -> list:
+    """The events on a request's reply stream, decoded, in order."""
+    return [decode_event(f) for _, f in r.xrange(Keys(prefix).reply_stream(request_id))]
+
+
+def assert_one_terminal(events: list) -> None:
+    """Exactly one terminal event (``done`` or ``error``), last; token indices without a gap or
+    a repeat."""
+    kinds = [e.type for e in events]
+    assert kinds.count("done") + kinds.count("error") == 1 and kinds[-1] in ("done", "error"), kinds
+    tokens = [e for e in events if e.type == "token"]
+    assert [e.index for e in tokens] == list(range(len(tokens))), "gaps or duplicates in token indices"
 
 
 @pytest.fixture

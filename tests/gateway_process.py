@@ -13,7 +13,7 @@ import time
 import httpx
 import openai
 
-from tokenfleet.transport.embedded import free_port
+from tokenfleet.transport.server.embedded import free_port
 
 
 class Gateway:

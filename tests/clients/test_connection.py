@@ -5,7 +5,7 @@ import asyncio
 
 import redis.utils
 
-from tokenfleet.transport.connection import connect_async_client, connect_client
+from tokenfleet.transport.server.connection import connect_async_client, connect_client
 
 
 def test_new_connections_do_not_read_package_metadata(redis_url, monkeypatch):

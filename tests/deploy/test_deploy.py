@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from tokenfleet.transport.embedded import free_port
+from tokenfleet.transport.server.embedded import free_port
 
 ROOT = Path(__file__).parents[2]
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import make_runner
+from conftest import TEST_DEVICE, make_runner
 
 from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
 from tokenfleet.core.sequence import SeqState
@@ -21,9 +21,12 @@ SYSTEM = list(range(40, 84))
 SUFFIXES = [[5, 6, 7], [5, 6, 9, 10, 11], [200], [5, 6, 7, 8, 12, 13, 14], [7, 7, 7, 7, 7, 7], [300, 301]]
 
 
-def runner(model_dir, num_blocks):
+@pytest.fixture(scope="module")
+def own_runner(tiny_model):
+    """A runner of this module's own, for the test that switches its prefill route (the session's
+    ``runner`` is never changed by a test)."""
     return make_runner(
-        model_dir, device="cpu", dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=num_blocks)
+        tiny_model, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=2048)
     )
 
 
@@ -138,11 +141,12 @@ def test_without_prefix_caching_every_token_is_computed(tiny_model, reference):
 
 
 @pytest.mark.parametrize("route", ["kernel", "sdpa"])
-def test_a_cached_prefix_gives_the_logits_of_computing_it_again(runner, route):
+def test_a_cached_prefix_gives_the_logits_of_computing_it_again(own_runner, route):
     """The prefill of a prompt's uncached tail, attending to its cached blocks in place (the C++
     kernel, or SDPA prompt by prompt), gives the logits and K/V of prefilling the whole prompt."""
     from tokenfleet.kvcache.allocator import BlockAllocator
 
+    runner = own_runner  # this module's own: the test switches its prefill route
     saved = runner.use_kernel, runner.use_prefill_kernel
     runner.use_kernel = runner.use_prefill_kernel = route == "kernel"
     try:

@@ -1,5 +1,6 @@
-"""Batched sampling on the logits' device: counter-based randomness (batch-independent), and the
-distribution it samples matches temperature, top-k and top-p."""
+"""Batched sampling on the logits' device: counter-based randomness (batch-independent), the
+distribution it samples matches temperature, top-k and top-p, extreme values keep the most likely
+token, and a row that cannot be sampled fails alone."""
 
 from __future__ import annotations
 
@@ -96,3 +97,12 @@ def test_the_counter_stream_is_uniform():
     assert float(us.min()) >= 0.0 and float(us.max()) < 1.0
     assert torch.histc(us, bins=10, min=0, max=1).div(len(us)).sub(0.1).abs().max() < 0.02
     assert uniform(5, 0) != uniform(5, 1) != uniform(6, 1)
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone():
+    logits = torch.randn(3, 50)
+    logits[1, 7] = float("nan")
+    rows = [Row(0.0, seed=1), Row(1.0, seed=1), Row(1.0, seed=1)]
+    chosen = choose_tokens(logits, rows)
+    assert chosen[0] == int(logits[0].argmax()) and chosen[1] is None and isinstance(chosen[2], int)
+    assert "NaN" in rows[1].sampling_error

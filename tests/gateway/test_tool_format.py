@@ -5,8 +5,8 @@ import json
 
 import llguidance
 
-from tokenfleet.producer.openai_format import ChatBody, Completion
-from tokenfleet.producer.openai_tools import history_message, tool_calls
+from tokenfleet.producer.openai.format import ChatBody, Completion
+from tokenfleet.producer.openai.tools import history_message, tool_calls
 
 WEATHER = {
     "type": "function",

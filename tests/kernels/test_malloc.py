@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from tokenfleet.worker import malloc
+from tokenfleet.worker.process import malloc
 
 CHILD = """
 import sys
-from tokenfleet.worker import malloc
+from tokenfleet.worker.process import malloc
 malloc.arrange(sys.argv[1], [sys.executable, __file__, *sys.argv[1:]])
 print(malloc.tcmalloc_loaded(), malloc.describe(), sep="|")
 """

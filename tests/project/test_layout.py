@@ -32,8 +32,14 @@ def test_the_environment_is_read_in_config_loading_only():
             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
                 readers.append(str(path.relative_to(PACKAGE)))
     # vLLM's own switch is set (not read) for the engine it starts in this process; the worker's
-    # allocator builds the environment (LD_PRELOAD) of the process it re-executes as
-    assert sorted(set(readers)) == ["config/loading.py", "engines/vllm/core.py", "worker/malloc.py"]
+    # allocator builds the environment (LD_PRELOAD) of the process it re-executes as, and its
+    # OpenMP wait policy is set before torch loads
+    assert sorted(set(readers)) == [
+        "config/loading.py",
+        "engines/vllm/core.py",
+        "worker/process/cpus.py",
+        "worker/process/malloc.py",
+    ]
 
 
 def test_no_module_outgrows_a_screenful_or_three():
@@ -141,3 +147,56 @@ def test_pip_install_without_extras_gives_the_client_and_gateway_without_torch(t
         [str(venv / "bin" / "tokenfleet"), "worker", "--model", str(tmp_path)], capture_output=True, text=True
     )
     assert refused.returncode != 0 and "pip install 'tokenfleet[worker]'" in refused.stderr
+
+
+MAX_MODULES_PER_FOLDER = 12
+
+
+def test_no_folder_holds_more_modules_than_a_reader_takes_in_at_once():
+    """A folder of the package holds at most :data:`MAX_MODULES_PER_FOLDER` modules (its
+    ``__init__`` aside): past that it wants rooms by job, as ``engines/native/`` has."""
+    crowded = {}
+    for folder in [PACKAGE, *(p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__")]:
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        if len(modules) > MAX_MODULES_PER_FOLDER:
+            crowded[str(folder.relative_to(PACKAGE.parent))] = len(modules)
+    assert not crowded, crowded
+
+
+def config_defaults() -> dict[str, set[str]]:
+    """Every config setting's default (as source text), by field name."""
+    from tokenfleet.config import GatewayConfig, WorkerConfig
+    from tokenfleet.config.settings import specs
+
+    defaults: dict[str, set[str]] = {}
+    for root in (WorkerConfig, GatewayConfig):
+        for spec in specs(root):
+            defaults.setdefault(spec.path[-1], set()).add(repr(spec.default))
+    return defaults
+
+
+def test_no_parameter_default_restates_a_config_default():
+    """A default lives on its config field only: a function or constructor outside ``config/``
+    whose parameter is named as a setting and defaults to that setting's default is a second copy
+    that drifts (the runner once took ``max_batch_size=32``; ``None``, meaning "not given", is
+    not a copy)."""
+    defaults = config_defaults()
+    copies = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).parts[0] == "config":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            args = node.args
+            positional = args.posonlyargs + args.args
+            pairs = list(zip(positional[len(positional) - len(args.defaults) :], args.defaults))
+            pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+            for arg, default in pairs:
+                try:
+                    value = ast.literal_eval(default)
+                except ValueError:
+                    continue  # not a literal: a name or a call, not a restated value
+                if value is not None and repr(value) in defaults.get(arg.arg, ()):
+                    copies.append(f"{path.relative_to(PACKAGE)}: {node.name}({arg.arg}={value!r})")
+    assert not copies, copies

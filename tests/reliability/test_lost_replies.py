@@ -12,7 +12,7 @@ from tokenfleet import protocol
 from tokenfleet.errors import RequestFailed
 from tokenfleet.producer import AsyncClient, Client
 from tokenfleet.protocol import DoneEvent, ErrorCode, Keys, TokenEvent
-from tokenfleet.transport.embedded import EmbeddedRedis
+from tokenfleet.transport.server.embedded import EmbeddedRedis
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,8 @@ from tokenfleet.gateway import watch
 from tokenfleet.gateway.errors import APIError
 from tokenfleet.gateway.fleet import Fleet
 from tokenfleet.protocol import Keys
-from tokenfleet.transport.embedded import EmbeddedRedis
-from tokenfleet.transport.redis_memory import EvictingRedis, check_memory_policy, read_memory_policy
+from tokenfleet.transport.server.embedded import EmbeddedRedis
+from tokenfleet.transport.server.memory import EvictingRedis, check_memory_policy, read_memory_policy
 from tokenfleet.transport.status import fleet_status
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("redis_server_binary")]

@@ -11,8 +11,8 @@ import redis
 from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.producer import AsyncClient, Client
 from tokenfleet.protocol import Keys
-from tokenfleet.transport.acl import acl_rules
-from tokenfleet.transport.embedded import EmbeddedRedis, answers, find_server_binary, free_port
+from tokenfleet.transport.server.acl import acl_rules
+from tokenfleet.transport.server.embedded import EmbeddedRedis, answers, find_server_binary, free_port
 
 pytestmark = pytest.mark.usefixtures("redis_server_binary")
 BATCHING = DynamicBatchingConfig(max_wait_ms=5, max_batch_size=4, max_seq_len=256, buckets=(16, 64))

@@ -16,8 +16,8 @@ import redis
 from tokenfleet.errors import RequestFailed
 from tokenfleet.producer import Client
 from tokenfleet.protocol import ErrorCode
-from tokenfleet.transport.connection import SentinelURL, connect_client
-from tokenfleet.transport.embedded import EmbeddedRedis, free_port
+from tokenfleet.transport.server.connection import SentinelURL, connect_client
+from tokenfleet.transport.server.embedded import EmbeddedRedis, free_port
 
 pytestmark = pytest.mark.integration
 SERVICE = "fleet"

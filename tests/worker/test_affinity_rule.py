@@ -88,7 +88,7 @@ def test_a_busy_worker_reads_a_quarter_batch_ahead_and_leaves_the_rest_for_other
 
 
 def test_the_gateway_passes_prompt_cache_key_or_user_as_the_affinity_key():
-    from tokenfleet.producer.openai_format import ChatBody, CompletionBody
+    from tokenfleet.producer.openai.format import ChatBody, CompletionBody
 
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     assert ChatBody(**chat, prompt_cache_key="conv-7").request_params(16)["cache_key"] == "conv-7"

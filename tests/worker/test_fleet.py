@@ -46,7 +46,7 @@ def fleet_url(request, redis_url):
 
 @pytest.mark.timeout(180)  # a minute or more on a busy 2-core machine
 def test_many_workers_many_producers_every_request_once(fleet_url, prefix, tiny_model, reference, tmp_path):
-    from tokenfleet.transport.connection import connect_client
+    from tokenfleet.transport.server.connection import connect_client
 
     env = {**os.environ, "REDIS_URL": fleet_url, "TOKENFLEET_PREFIX": prefix, "OMP_NUM_THREADS": "1"}
     prompts = prompt_pool()

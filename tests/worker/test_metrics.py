@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.errors import RequestFailed
 from tokenfleet.producer import Client
-from tokenfleet.transport.embedded import free_port
+from tokenfleet.transport.server.embedded import free_port
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

@@ -27,7 +27,7 @@ from tokenfleet.config import DynamicBatchingConfig, EngineConfig, RedisConfig, 
 from tokenfleet.config.loading import redis_url_from_env
 from tokenfleet.errors import TokenfleetError
 from tokenfleet.protocol import DoneEvent, ErrorEvent, TokenEvent
-from tokenfleet.transport.embedded import EmbeddedRedis, answers
+from tokenfleet.transport.server.embedded import EmbeddedRedis, answers
 
 PROGRESS_EVERY_S = 3.0
 

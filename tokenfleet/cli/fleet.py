@@ -29,7 +29,7 @@ def status(redis_url: str | None, prefix: str | None, as_json: bool) -> None:
     prefix-cache hit rate: prompt tokens found cached) and per-bucket queue depth, pending, oldest
     waiting age, dead letters."""
     from tokenfleet.protocol import Keys
-    from tokenfleet.transport.connection import connect_client
+    from tokenfleet.transport.server.connection import connect_client
     from tokenfleet.transport.status import fleet_status
 
     with one_line_errors():
@@ -125,7 +125,7 @@ def batch(
     Every line is checked before anything is submitted (errors name FILE:LINE). Each output line
     has "index", "id" and "text", "token_ids", "finish_reason", "usage", or "error". Exits 1 when
     any request failed."""
-    from tokenfleet.producer import bulk
+    from tokenfleet.producer import bulk, rq_jobs
 
     defaults: dict[str, Any] = {"priority": priority}
     if max_new_tokens:
@@ -133,10 +133,10 @@ def batch(
     url, pre = redis_url_from_env(redis_url), prefix_from_env(prefix)
     with one_line_errors():
         if enqueue:
-            job_id = bulk.enqueue_batch(url, pre, model_dir, input_path, output_path, defaults)
+            job_id = rq_jobs.enqueue_batch(url, pre, model_dir, input_path, output_path, defaults)
             click.echo(job_id)
             hint = f"run `tokenfleet rq-worker --prefix {pre}` to process it"
-            click.echo(f"queued on RQ queue {bulk.rq_queue(pre)!r}; {hint}", err=True)
+            click.echo(f"queued on RQ queue {rq_jobs.rq_queue(pre)!r}; {hint}", err=True)
             return
         from tqdm import tqdm
 
@@ -164,8 +164,8 @@ def rq_worker(redis_url: str | None, prefix: str | None, burst: bool) -> None:
     from rq import Queue, Worker
     from rq.serializers import JSONSerializer
 
-    from tokenfleet.producer.bulk import rq_queue
-    from tokenfleet.transport.connection import connect_server
+    from tokenfleet.producer.rq_jobs import rq_queue
+    from tokenfleet.transport.server.connection import connect_server
 
     with one_line_errors():
         connection = connect_server(redis_url_from_env(redis_url))
@@ -189,7 +189,7 @@ def acl(
 ) -> None:
     """Print ACL SETUSER commands (for redis-cli) that give producers and workers exactly the
     rights they need on this prefix's keys and nothing else."""
-    from tokenfleet.transport.acl import acl_rules
+    from tokenfleet.transport.server.acl import acl_rules
 
     try:
         rules = acl_rules(prefix_from_env(prefix), producer_password, worker_password, monitor_password)

@@ -41,8 +41,8 @@ def serve(config_file: str | None, log_level: str, **flags: Any) -> None:
     import uvicorn
 
     from tokenfleet.gateway.app import create_app
-    from tokenfleet.transport.connection import connect_client
-    from tokenfleet.transport.redis_memory import EvictingRedis, check_memory_policy
+    from tokenfleet.transport.server.connection import connect_client
+    from tokenfleet.transport.server.memory import EvictingRedis, check_memory_policy
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:  # before listening: a refusal is one line, not a failed lifespan's traceback

@@ -7,6 +7,7 @@ import gc
 import json
 import logging
 import signal
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,8 @@ import click
 
 from tokenfleet.cli.common import fail, require_engine, settings_options
 from tokenfleet.config import PROFILES, WORKER_SETTINGS, flatten, resolve_worker_config
-from tokenfleet.transport.redis_memory import EvictingRedis
-from tokenfleet.worker import malloc
+from tokenfleet.transport.server.memory import EvictingRedis
+from tokenfleet.worker.process import cpus, malloc
 
 
 @click.command(short_help="Serve requests from bucket streams (until SIGTERM).")
@@ -56,15 +57,22 @@ def worker(profile: str | None, config_file: str | None, log_level: str, dry_run
     if not config.engine.model:
         fail("no model: give --model DIR (or TOKENFLEET_MODEL, or model in the --config file)")
     _check_model_dir(config.engine.model)
+    share = cpus.cpu_share()
+    if config.engine.threads is None:  # what this process may use, not every core the machine has
+        config = replace(config, engine=replace(config.engine, threads=share.threads))
     if dry_run:
-        click.echo(json.dumps(flatten(config), indent=2))
+        settings = {**flatten(config), "omp_wait_policy": cpus.openmp_wait_policy()}
+        click.echo(json.dumps(settings, indent=2))
         return
+    wait = cpus.arrange_openmp()  # read when the OpenMP runtime loads: before torch
     try:
         malloc.arrange(config.engine.allocator)  # may re-execute this process, before torch loads
     except ValueError as e:
         fail(str(e))
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("tokenfleet.worker").info(malloc.describe())
+    worker_log = logging.getLogger("tokenfleet.worker")
+    worker_log.info(malloc.describe())
+    worker_log.info("threads: %d (%s); OpenMP waits %s", config.engine.threads, share.describe(), wait)
     # Loading makes ~400k long-lived objects (torch, transformers, the model), and the collector
     # scanned them all seven times on the way (0.9 s of a 5 s SmolLM2 start): off while loading,
     # then one collection (what loading left in cycles) and the survivors frozen out of later scans.

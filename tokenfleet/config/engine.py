@@ -50,7 +50,12 @@ class EngineConfig:
         "8, 16, 32, ...), prefill with dynamic shapes. Faster steps after 1-3 minutes of compiling at "
         "start-up, before serving.",
     )
-    threads: int | None = setting(None, "torch intra-op threads (CPU; default: torch's).", kind="int")
+    threads: int | None = setting(
+        None,
+        "torch intra-op threads (CPU).",
+        kind="int",
+        default_text="the CPUs this process may use: its affinity, capped by its cgroup's CPU quota",
+    )
     allocator: str = setting(
         "auto",
         "auto: tcmalloc where the machine has it (the worker re-executes itself with it preloaded), "

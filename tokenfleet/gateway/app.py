@@ -29,10 +29,10 @@ from tokenfleet.config import GatewayConfig
 from tokenfleet.gateway import batches, completions, errors, files
 from tokenfleet.gateway.errors import APIError
 from tokenfleet.gateway.service import Service
-from tokenfleet.transport.connection import connect_server
-from tokenfleet.transport.redis_memory import RECHECK_S, read_memory_policy
+from tokenfleet.ratelog import RateLimitedLog
+from tokenfleet.transport.server.connection import connect_server
+from tokenfleet.transport.server.memory import RECHECK_S, read_memory_policy
 from tokenfleet.transport.status import lane_queues
-from tokenfleet.worker.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics", "/fleet/queues")  # probes, scrapers and autoscalers need no key
@@ -170,7 +170,7 @@ def _start_batch_jobs(config: GatewayConfig, stop: threading.Event) -> threading
     from rq.serializers import JSONSerializer
     from rq.timeouts import TimerDeathPenalty
 
-    from tokenfleet.producer.bulk import rq_queue
+    from tokenfleet.producer.rq_jobs import rq_queue
 
     class ThreadWorker(SimpleWorker):
         """RQ's in-process worker, off the main thread: a timer, not SIGALRM, bounds a job, and

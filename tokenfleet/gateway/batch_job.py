@@ -10,9 +10,9 @@ from typing import Any
 
 from tokenfleet.errors import RequestFailed
 from tokenfleet.producer.bulk import BULK_LANE, DEFAULT_WINDOW, Job, run_windowed
-from tokenfleet.producer.openai_batch import body_of_line, output_line
-from tokenfleet.producer.openai_controls import decoder
-from tokenfleet.producer.openai_format import CHAT_COMPLETIONS, Completion
+from tokenfleet.producer.openai.batch import body_of_line, output_line
+from tokenfleet.producer.openai.controls import decoder
+from tokenfleet.producer.openai.format import CHAT_COMPLETIONS, Completion
 from tokenfleet.producer.result import Result
 
 PROGRESS_EVERY_S = 1.0  # how often the batch's counts are written back while it runs

@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict
 from tokenfleet.gateway.errors import APIError
 from tokenfleet.gateway.files import FILE_TTL_S
 from tokenfleet.gateway.service import Service
-from tokenfleet.producer.bulk import rq_queue
-from tokenfleet.producer.openai_format import CHAT_COMPLETIONS, COMPLETIONS
+from tokenfleet.producer.openai.format import CHAT_COMPLETIONS, COMPLETIONS
+from tokenfleet.producer.rq_jobs import rq_queue
 
 router = APIRouter()
 TERMINAL = ("completed", "failed", "cancelled", "expired")
@@ -123,7 +123,7 @@ def _enqueue(service: Service, batch_id: str) -> None:
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from tokenfleet.transport.connection import connect_server
+    from tokenfleet.transport.server.connection import connect_server
 
     config = service.config
     connection = connect_server(config.redis.url)

@@ -22,8 +22,8 @@ from tokenfleet.gateway.errors import APIError, api_error, reply_error
 from tokenfleet.gateway.service import Service
 from tokenfleet.gateway.streaming import START, CompletionProgress, chunks, follow, parse_event_id
 from tokenfleet.gateway.watch import orphaned_error, unless_orphaned
-from tokenfleet.producer.openai_controls import decoder
-from tokenfleet.producer.openai_format import (
+from tokenfleet.producer.openai.controls import decoder
+from tokenfleet.producer.openai.format import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatBody,
     Completion,

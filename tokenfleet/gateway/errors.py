@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import OutOfMemoryError
 
 from tokenfleet.errors import ProtocolError, QueueFull, RedisFull, RequestFailed, ResultTimeout
-from tokenfleet.producer.openai_format import CLIENT_ERROR_CODES
+from tokenfleet.producer.openai.format import CLIENT_ERROR_CODES
 from tokenfleet.producer.routing import queue_full_error
 from tokenfleet.protocol import ErrorCode
 

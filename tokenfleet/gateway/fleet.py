@@ -10,7 +10,7 @@ from redis.exceptions import OutOfMemoryError
 
 from tokenfleet.gateway.errors import APIError, api_error
 from tokenfleet.protocol import Keys, parse_heartbeat
-from tokenfleet.transport.redis_memory import out_of_memory
+from tokenfleet.transport.server.memory import out_of_memory
 
 CACHE_S = 2.0
 

@@ -8,7 +8,7 @@ import hashlib
 import json
 from typing import Any
 
-from tokenfleet.producer.openai_format import Completion
+from tokenfleet.producer.openai.format import Completion
 from tokenfleet.protocol import DEFAULT_REPLY_TTL_S, Keys
 
 

@@ -14,7 +14,7 @@ from tokenfleet.config import GatewayConfig
 from tokenfleet.gateway.fleet import Fleet
 from tokenfleet.gateway.records import Records
 from tokenfleet.producer import AsyncClient
-from tokenfleet.transport.connection import connect_client
+from tokenfleet.transport.server.connection import connect_client
 
 
 @dataclass

@@ -12,8 +12,8 @@ from typing import Any
 
 from tokenfleet.gateway.errors import api_error, reply_error
 from tokenfleet.producer import AsyncClient
-from tokenfleet.producer.openai_controls import decoder
-from tokenfleet.producer.openai_format import Completion
+from tokenfleet.producer.openai.controls import decoder
+from tokenfleet.producer.openai.format import Completion
 from tokenfleet.protocol import TERMINAL_EVENT_ID, DoneEvent, ErrorEvent, ReplyEvent, TokenEvent, decode_event
 
 START = "0"  # a reply stream's position before its first event

@@ -27,7 +27,7 @@ from tokenfleet.producer.replies import ReplyReader
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
 from tokenfleet.producer.routing import enqueue_args, queue_full_error, result_timeout, target_stream
 from tokenfleet.protocol import ReplyEvent
-from tokenfleet.transport.connection import connect_async_client
+from tokenfleet.transport.server.connection import connect_async_client
 
 
 class AsyncClient(ClientBase):

@@ -7,7 +7,7 @@ format. Request ids derive from the input's content and line number, so a run in
 point and started again reads back what the fleet already finished (or still runs) instead of
 submitting it twice, and appends only what the output lacks.
 
-``enqueue_batch`` runs the same as an RQ job, serialized as JSON (never pickle).
+:mod:`tokenfleet.producer.rq_jobs` runs the same as an RQ job.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import redis
 
 from tokenfleet.errors import ProtocolError, RequestFailed
-from tokenfleet.producer.openai_format import Completion
+from tokenfleet.producer.openai.format import Completion
 from tokenfleet.producer.result import Result
 from tokenfleet.protocol import ErrorCode
 
@@ -63,7 +63,7 @@ def read_inputs(path: str, defaults: dict[str, Any] | None = None) -> list[dict[
 def _checked(item: Any, defaults: dict[str, Any] | None) -> dict[str, Any]:
     from tokenfleet import protocol
     from tokenfleet.errors import ProtocolError
-    from tokenfleet.producer.openai_batch import body_of_line
+    from tokenfleet.producer.openai.batch import body_of_line
 
     item = {"prompt": item} if isinstance(item, str) else item
     if not isinstance(item, dict):
@@ -80,7 +80,7 @@ def _checked(item: Any, defaults: dict[str, Any] | None) -> dict[str, Any]:
 
 def jobs_of(items: list[dict[str, Any]], prefix: str, defaults: dict[str, Any] | None) -> list[Job]:
     """Each line's requests, with ids ``<prefix>-<line>`` (and ``.<choice>`` for OpenAI's)."""
-    from tokenfleet.producer.openai_batch import body_of_line
+    from tokenfleet.producer.openai.batch import body_of_line
 
     jobs = []
     for i, item in enumerate(items):
@@ -177,11 +177,6 @@ def _submit_once(client: Any, job: Job) -> RequestFailed | None:
     return None
 
 
-def rq_queue(prefix: str) -> str:
-    """The RQ queue of a fleet's bulk jobs: its prefix (``tokenfleet`` by default)."""
-    return prefix
-
-
 def batch_id(path: str) -> str:
     """Stable for the same input file content: the resume key."""
     return "batch-" + hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
@@ -215,8 +210,8 @@ def run_batch(
 ) -> dict[str, int]:
     """Run every input line through ``client`` (a producer Client), writing results in input
     order; returns counts. ``progress(n)`` is called as results are written."""
-    from tokenfleet.producer.openai_batch import output_line
-    from tokenfleet.producer.openai_controls import decoder
+    from tokenfleet.producer.openai.batch import output_line
+    from tokenfleet.producer.openai.controls import decoder
 
     jobs = jobs_of(read_inputs(input_path, defaults), batch_id(input_path), defaults)
     start = _done_lines(output_path)
@@ -249,52 +244,3 @@ def _row(index: int, request_id: str, outcome: list[Result] | RequestFailed) -> 
         res = outcome[0]
         row.update(text=res.text, token_ids=res.token_ids, finish_reason=res.finish_reason, usage=res.usage)
     return row
-
-
-def run_batch_job(
-    redis_url: str,
-    prefix: str,
-    model: str | None,
-    input_path: str,
-    output_path: str,
-    defaults: dict[str, Any],
-) -> dict[str, int]:
-    """The RQ job: plain JSON arguments in, counts out."""
-    from tokenfleet.producer import Client
-
-    with Client(redis_url, model=model, prefix=prefix) as client:
-        return run_batch(client, input_path, output_path, defaults)
-
-
-def enqueue_batch(
-    redis_url: str,
-    prefix: str,
-    model: str | None,
-    input_path: str,
-    output_path: str,
-    defaults: dict[str, Any],
-    job_timeout: int = 24 * 3600,
-) -> str:
-    """Enqueue :func:`run_batch_job` on the fleet's RQ queue (:func:`rq_queue`, JSON serializer);
-    every line is checked first. Returns the job id."""
-    from rq import Queue
-    from rq.serializers import JSONSerializer
-
-    from tokenfleet.transport.connection import connect_server
-
-    read_inputs(input_path, defaults)
-    queue = Queue(rq_queue(prefix), connection=connect_server(redis_url), serializer=JSONSerializer)
-    job = queue.enqueue(
-        run_batch_job,
-        args=(
-            redis_url,
-            prefix,
-            model,
-            str(Path(input_path).resolve()),
-            str(Path(output_path).resolve()),
-            defaults,
-        ),
-        job_timeout=job_timeout,
-        result_ttl=7 * 24 * 3600,
-    )
-    return job.id

@@ -25,7 +25,7 @@ from tokenfleet.producer.result import Chunk, Result, ResultBuilder
 from tokenfleet.producer.routing import enqueue_args, queue_full_error, target_stream
 from tokenfleet.producer.thread_replies import ThreadedReplyReader
 from tokenfleet.protocol import ReplyEvent
-from tokenfleet.transport.connection import connect_client
+from tokenfleet.transport.server.connection import connect_client
 
 
 class Client(ClientBase):

@@ -11,8 +11,8 @@ from typing import Any
 import redis
 
 from tokenfleet.protocol import AUTO_BUCKET, GROUP, LANES, Keys
-from tokenfleet.transport.redis_memory import out_of_memory, read_memory_policy
 from tokenfleet.transport.registry import heartbeats
+from tokenfleet.transport.server.memory import out_of_memory, read_memory_policy
 
 
 def _text(value: Any) -> str:

@@ -23,18 +23,18 @@ from tokenfleet.config import WorkerConfig
 from tokenfleet.core.interface import EngineCore
 from tokenfleet.engines import build_core
 from tokenfleet.protocol import ErrorCode, Keys
+from tokenfleet.ratelog import RateLimitedLog
 from tokenfleet.transport.cancels import CancelFeed
-from tokenfleet.transport.connection import BACKOFF_MAX_S, BACKOFF_START_S, connect_with_retry
 from tokenfleet.transport.intake import StreamReader, decode
 from tokenfleet.transport.outbox import Outbox, is_out_of_memory
 from tokenfleet.transport.reclaim import Reclaimer
 from tokenfleet.transport.registry import Registry
 from tokenfleet.transport.round_trip import Received, RoundTrip
+from tokenfleet.transport.server.connection import BACKOFF_MAX_S, BACKOFF_START_S, connect_with_retry
 from tokenfleet.worker.admit import Admitter
 from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.policy import Plan, TurnPolicy, read_budget
 from tokenfleet.worker.publisher import Publisher
-from tokenfleet.worker.ratelog import RateLimitedLog
 from tokenfleet.worker.stepper import Stepper
 from tokenfleet.worker.stops import enforce_stops
 from tokenfleet.worker.timing import TimeSpent

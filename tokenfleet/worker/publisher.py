@@ -10,10 +10,10 @@ import time
 from tokenfleet.core.interface import StepOutput
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.protocol import DoneEvent, ErrorCode, ErrorEvent, Refusal, Request, TokenEvent, salvage_reply
+from tokenfleet.ratelog import RateLimitedLog
 from tokenfleet.transport.intake import Entry
 from tokenfleet.transport.outbox import Outbox
 from tokenfleet.worker.metrics import WorkerMetrics
-from tokenfleet.worker.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 

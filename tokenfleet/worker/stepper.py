@@ -9,10 +9,10 @@ import time
 
 from tokenfleet.core.interface import EngineCore, StepOutput
 from tokenfleet.protocol import ErrorCode
+from tokenfleet.ratelog import RateLimitedLog
 from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.policy import TurnPolicy
 from tokenfleet.worker.publisher import Publisher
-from tokenfleet.worker.ratelog import RateLimitedLog
 from tokenfleet.worker.wait_tuning import WaitTuning
 
 log = logging.getLogger(__name__)

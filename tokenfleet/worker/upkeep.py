@@ -14,8 +14,8 @@ from tokenfleet.protocol import LANES
 from tokenfleet.protocol.affinity import SHARDS
 from tokenfleet.transport.intake import StreamReader
 from tokenfleet.transport.reclaim import Reclaimer
-from tokenfleet.transport.redis_memory import RECHECK_S, MemoryPolicy, check_memory_policy
 from tokenfleet.transport.registry import Registry, heartbeats
+from tokenfleet.transport.server.memory import RECHECK_S, MemoryPolicy, check_memory_policy
 from tokenfleet.transport.shards import assign
 from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.publisher import Publisher
@@ -95,7 +95,7 @@ class Upkeep:
 
     def check_redis_memory(self, strict: bool) -> MemoryPolicy:
         """May Redis evict our keys? At start-up (``strict``: raise
-        :class:`~tokenfleet.transport.redis_memory.EvictingRedis`), then every
+        :class:`~tokenfleet.transport.server.memory.EvictingRedis`), then every
         :data:`RECHECK_S` (a restart or CONFIG SET): warned once per change, and kept in
         the ``tokenfleet_redis_evicting`` gauge."""
         self._memory_checked = time.monotonic()

@@ -9,8 +9,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from tokenfleet.errors import RequestFailed
-from tokenfleet.producer.openai_controls import Decode, token_id_text
-from tokenfleet.producer.openai_format import (
+from tokenfleet.producer.openai.controls import Decode, token_id_text
+from tokenfleet.producer.openai.format import (
     CHAT_COMPLETIONS,
     CLIENT_ERROR_CODES,
     COMPLETIONS,

@@ -1,4 +1,5 @@
-"""Dispatch rules of the batcher, driven by a fake clock."""
+"""Dispatch rules of the batcher, driven by a fake clock, and the checks of the batching config
+that sets them."""
 
 import pytest
 

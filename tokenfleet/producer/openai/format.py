@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tokenfleet.config import GatewayConfig
-from tokenfleet.producer.openai_controls import (
+from tokenfleet.producer.openai.controls import (
     ChatLogprobFields,
     CompletionLogprobFields,
     ControlFields,
@@ -23,7 +23,7 @@ from tokenfleet.producer.openai_controls import (
     shaped_logprobs,
     token_id_text,
 )
-from tokenfleet.producer.openai_tools import ChatMessage, ToolFields, history_message, is_call, tool_calls
+from tokenfleet.producer.openai.tools import ChatMessage, ToolFields, history_message, is_call, tool_calls
 from tokenfleet.producer.result import Result
 from tokenfleet.protocol import LANES, ErrorCode, TokenLogprob
 

@@ -1,7 +1,7 @@
-"""Paged KV cache through the whole path (real Redis, real tiny model): every batching mode with
-mixed lengths and staggered arrivals, and a pool small enough to force preemption."""
+"""Greedy output through a worker and Redis equals ``model.generate`` token for token, with each
+token sent once: in every batching mode with mixed lengths and staggered arrivals, and with a KV
+pool small enough to force preemption. (The same matrix in-process: tests/engine/test_engine.py.)"""
 
-import threading
 import time
 
 import pytest
@@ -76,27 +76,3 @@ def test_small_pool_preempts_and_every_request_completes_without_duplicates(
         handles = submit_staggered(client, short, max_new=28, gap_s=0.01, ignore_eos=True)
         check_replies(r, prefix, handles, reference, 28, ignore_eos=True)
         assert running.core.scheduler.preemptions > 0, "the pool was never short: the test proves nothing"
-
-
-def test_concurrent_submitters_with_continuous_batching(
-    run_worker, redis_url, prefix, r, model_path, reference
-):
-    batching = DynamicBatchingConfig(max_wait_ms=5, max_batch_size=8, max_seq_len=128, buckets=(16, 64))
-    with run_worker(batching) as running:
-        client = Client(redis_url, model=str(model_path), prefix=prefix)
-        handles: list = []
-        lock = threading.Lock()
-
-        def producer(chunk):
-            got = submit_staggered(client, chunk, max_new=8, gap_s=0.05)
-            with lock:
-                handles.extend(got)
-
-        threads = [threading.Thread(target=producer, args=(PROMPTS[i::2],)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        check_replies(r, prefix, handles, reference, 8)
-    decode_sizes = [b.size for b in running.batches if b.kind == "decode"]
-    assert max(decode_sizes) > 1

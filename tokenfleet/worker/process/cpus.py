@@ -1,0 +1,126 @@
+"""The CPUs a worker may use, and how its OpenMP threads wait between parallel regions.
+
+``os.cpu_count()`` (and torch's default thread count) is every core the machine has; a worker
+gets fewer when its affinity is narrower (``taskset``, a cpuset) or a CPU quota caps its cgroup
+(a container run with ``--cpus 1``, a Kubernetes CPU limit). An OpenMP team wider than that is
+throttled at every barrier: each thread waits for the slowest, and the slowest is the one the
+quota or a neighbour keeps off its core. So the worker's threads default to what it may use.
+
+How idle OpenMP threads wait (``OMP_WAIT_POLICY``) matters beside a neighbour: threads that spin
+between a step's parallel regions burn the time a neighbour, or the worker's own Python thread
+scheduling the next step, could use. It is read when the OpenMP runtime loads, so it is set in
+the environment before torch is imported (``tokenfleet worker`` does; a user's own value wins).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# chosen by bench/neighbour.py (docs/PERFORMANCE.md, "Sharing a machine"): passive waits cost
+# nothing measurable alone and keep a busy neighbour from halving a step
+OMP_WAIT_POLICY = "PASSIVE"
+
+
+@dataclass(frozen=True)
+class CpuShare:
+    """What this process may use: the CPUs in its affinity, and its cgroup's quota in CPUs
+    (None: no quota)."""
+
+    affinity: int
+    quota: float | None
+
+    @property
+    def threads(self) -> int:
+        """Threads for the worker's compute: its affinity, capped by the quota (rounded up: a
+        quota of 1.5 CPUs runs two threads at three quarters each)."""
+        if self.quota is None:
+            return self.affinity
+        return max(1, min(self.affinity, math.ceil(self.quota - 1e-9)))
+
+    def describe(self) -> str:
+        where = f"{self.affinity} CPU{'s' if self.affinity != 1 else ''} in its affinity"
+        if self.quota is not None:
+            where += f", a cgroup quota of {self.quota:g} CPU"
+        return where
+
+
+def cpu_share(root: Path = Path("/")) -> CpuShare:
+    """This process's :class:`CpuShare` (``root``: where ``/proc`` and ``/sys`` are, for tests)."""
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        affinity = os.cpu_count() or 1
+    return CpuShare(affinity, cgroup_quota(root))
+
+
+def cgroup_quota(root: Path = Path("/")) -> float | None:
+    """The tightest CPU quota on this process's cgroup or its ancestors, in CPUs: cgroup v2's
+    ``cpu.max`` ("max 100000" or "150000 100000"), v1's ``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us`` (-1: none). None where there is no quota or nothing can be read."""
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+        mounts = (root / "proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            mount = mount_point(mounts, "cgroup2", None)
+            quotas += [q for q in walk(root, mount, path, v2_quota) if q is not None]
+        elif "cpu" in controllers.split(","):
+            mount = mount_point(mounts, "cgroup", "cpu")
+            quotas += [q for q in walk(root, mount, path, v1_quota) if q is not None]
+    return min(quotas, default=None)
+
+
+def mount_point(mountinfo: list[str], fstype: str, option: str | None) -> str | None:
+    """Where a cgroup hierarchy is mounted (``option``: the v1 controller it must carry)."""
+    for line in mountinfo:
+        left, _, right = line.partition(" - ")
+        fields, extra = left.split(), right.split()
+        if not extra or extra[0] != fstype:
+            continue
+        if option is None or option in extra[-1].split(",") + fields[5].split(","):
+            return fields[4]
+    return None
+
+
+def walk(root: Path, mount: str | None, path: str, read) -> list[float | None]:
+    """``read`` of the cgroup at ``path`` under ``mount`` and of each ancestor up to the mount."""
+    if mount is None:
+        return []
+    base = root / mount.lstrip("/")
+    parts = [p for p in path.strip("/").split("/") if p]
+    return [read(base.joinpath(*parts[:depth])) for depth in range(len(parts), -1, -1)]
+
+
+def v2_quota(group: Path) -> float | None:
+    try:
+        quota, period = (group / "cpu.max").read_text().split()
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def v1_quota(group: Path) -> float | None:
+    try:
+        quota = int((group / "cpu.cfs_quota_us").read_text())
+        period = int((group / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period
+
+
+def openmp_wait_policy() -> str:
+    """The wait policy a worker started now would run with."""
+    return os.environ.get("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
+
+
+def arrange_openmp() -> str:
+    """Set this process's OpenMP wait policy before torch loads (a user's own value wins); returns
+    the policy it runs with."""
+    return os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
