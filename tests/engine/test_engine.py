@@ -59,6 +59,15 @@ def drain(sched, arrivals, max_steps=5000, events=None):
     return done
 
 
+@pytest.fixture(scope="module")
+def own_runner(tiny_model):
+    """A runner of this module's own, for the tests that switch its attention routes, padding and
+    graphs (the session's ``runner`` is never changed by a test)."""
+    return make_runner(
+        tiny_model, device=TEST_DEVICE, dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=2048)
+    )
+
+
 @pytest.mark.parametrize("mode", ["static", "dynamic", "continuous"])
 @pytest.mark.parametrize("mix_buckets", [False, True])
 def test_greedy_equals_generate_with_staggered_mixed_arrivals(runner, reference, mode, mix_buckets):
@@ -192,7 +201,7 @@ def _greedy_batch(runner, reference, prompts, max_new):
 
 
 @pytest.mark.parametrize("path", ["kernel", "gather", "padded-batch", "triton", "cuda-graphs"])
-def test_every_attention_path_equals_generate(runner, reference, path):
+def test_every_attention_path_equals_generate(own_runner, reference, path):
     """The CPU kernels (decode reading the pool in place, prefill on the packed prompts), the
     gather/padding + SDPA fallback, batches padded to the compiled buckets (scratch-block rows),
     the Triton decode kernel (in Triton's interpreter on the CPU) and decode replayed from CUDA
@@ -201,6 +210,7 @@ def test_every_attention_path_equals_generate(runner, reference, path):
     from tokenfleet.engines.native.cuda_graphs import DecodeGraphs
     from tokenfleet.engines.native.kernels.loader import load_kernels
 
+    runner = own_runner  # this module's own: the test switches its attention routes and graphs
     on_cpu = runner.device.type == "cpu"
     if path == "kernel" and not on_cpu:
         pytest.skip("the C++ kernels are for CPU tensors")
@@ -244,9 +254,10 @@ def test_prefill_sizes_are_few_and_their_padding_small():
         assert 0 <= prefill_padded_size(n) - n < max(16, n / 16), n
 
 
-def test_prefill_padding_leaves_the_prompts_logits_and_cache_alone(runner, reference):
+def test_prefill_padding_leaves_the_prompts_logits_and_cache_alone(own_runner, reference):
     """The padding prompt writes only to the scratch block: each real prompt's logits and K/V
     are those of the same prefill unpadded."""
+    runner = own_runner  # this module's own: the test switches its prefill padding
     prompts = [reference.ids(p) for p in PROMPTS[:3]]
     assert prefill_padded_size(sum(map(len, prompts))) > sum(map(len, prompts))  # padding does happen
     alloc = BlockAllocator(runner.num_blocks, runner.block_size, prefix_caching=False)  # all computed here
@@ -329,7 +340,7 @@ def test_compiled_decode_equals_generate_for_two_models_in_one_process(tiny_mode
 def test_prefill_attention_groups_prompts_of_similar_length():
     """Packed prefill pads prompts only to the longest of their group: every row in exactly one
     group, none shorter than GROUP_MIN_FRACTION of its group's longest."""
-    from tokenfleet.engines.native.attention.paged import GROUP_MIN_FRACTION, length_groups
+    from tokenfleet.engines.native.attention.torch_route import GROUP_MIN_FRACTION, length_groups
 
     lengths = [128, 16, 100, 97, 20, 256, 12, 128, 90]
     groups = length_groups(lengths)

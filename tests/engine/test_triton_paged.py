@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from conftest import TEST_DEVICE  # noqa: E402
 
 from tokenfleet.engines.native.attention import triton_paged  # noqa: E402
-from tokenfleet.engines.native.attention.paged import paged_attention_op  # noqa: E402
+from tokenfleet.engines.native.attention.torch_route import paged_attention_op  # noqa: E402
 from tokenfleet.kvcache.store import PagedKVStore  # noqa: E402
 
 

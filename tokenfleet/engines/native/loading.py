@@ -4,6 +4,7 @@ its tokenizer, and the KV pool its shape and the memory budget call for."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,3 +82,24 @@ def kv_pool(model: Any, shape: ModelShape, kv: KVCacheConfig, max_seq_len: int) 
     )
     store.populate_in_background()
     return KVPool(store, blocks, per_block)
+
+
+def finish_logits(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What the model's causal-LM head does to the LM head's output before it returns logits,
+    as transformers' own head does it: Gemma 2/3's final softcap, Granite's division, Cohere's
+    scale (others return them as they are; the load-time probe refuses a head it does not know)."""
+    cfg = config.get_text_config()
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    divide = getattr(cfg, "logits_scaling", None) if cfg.model_type.startswith("granite") else None
+    multiply = getattr(cfg, "logit_scale", None) if cfg.model_type.startswith("cohere") else None
+
+    def finish(logits: torch.Tensor) -> torch.Tensor:
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        if divide is not None:
+            logits = logits / divide
+        if multiply is not None:
+            logits = logits * multiply
+        return logits
+
+    return finish

@@ -19,6 +19,7 @@ from tokenfleet.core.sequence import SeqState
 from tokenfleet.core.vocab import eos_token_ids, max_token_chars
 from tokenfleet.engines.native.attention import paged as attention
 from tokenfleet.engines.native.attention import triton_paged
+from tokenfleet.engines.native.attention.paged import CURRENT_STEP
 from tokenfleet.engines.native.attention.step_inputs import Uploader, decode_step, prefill_step
 from tokenfleet.engines.native.compiled import compile_decode, compile_prefill
 from tokenfleet.engines.native.cuda_graphs import DecodeGraphs
@@ -26,7 +27,8 @@ from tokenfleet.engines.native.decoder import lean_decoder
 from tokenfleet.engines.native.device import select_device, select_dtype
 from tokenfleet.engines.native.kernels.loader import load_kernels
 from tokenfleet.engines.native.linear.routes import linear_route, pack_for_route
-from tokenfleet.engines.native.loading import ModelShape, kv_pool, load_model
+from tokenfleet.engines.native.loading import ModelShape, finish_logits, kv_pool, load_model
+from tokenfleet.engines.native.probe import check_runner, probe_tokens, take_reference
 from tokenfleet.engines.native.sampling.grammar_masks import GrammarMasks, PendingMasks
 from tokenfleet.engines.native.sampling.logits_process import choose_controlled
 from tokenfleet.engines.native.shapes import decode_buckets, prefill_forwards, prefill_padded_size
@@ -52,10 +54,17 @@ class ModelRunner:
         self.dtype = select_dtype(engine.dtype, self.device)
         self.tokenizer, self.model = load_model(engine.model, self.device, self.dtype)
         shape = ModelShape.of(self.model)
+        self.finish_logits = finish_logits(self.model.config)  # the head's own softcap or scale
         self.vocab_size = shape.vocab_size
         self.grammar_masks = GrammarMasks(self.vocab_size)
         self.block_size = kv.block_size
         pool = kv_pool(self.model, shape, kv, batching.max_seq_len)  # counts the weights as loaded
+        # transformers' own forward over a probe, before our routes change the model: checked below
+        reference = take_reference(self.model, probe_tokens(self.vocab_size, pool.num_blocks * kv.block_size))
+        # a sliding window or softcap the kernels and the lean forward do not compute: the torch route
+        variants = reference.attention_variants(batching.max_seq_len)
+        if variants:
+            log.info("engine: attention in torch, not the C++ kernels (the model asks for %s)", variants)
         self.store = pool.store
         self.num_blocks = pool.num_blocks  # what the scheduler's allocator may hand out
         self.bytes_per_block = pool.bytes_per_block
@@ -63,14 +72,14 @@ class ModelRunner:
         # attention in C++ on CPU (decode straight from the pool, prefill on the packed prompts);
         # elsewhere (and without a compiler) SDPA runs on gathered blocks and padded prompts
         on_cpu = self.device.type == "cpu"
-        self.use_kernel = on_cpu and load_kernels(engine.paged_kernel) is not None
+        self.use_kernel = on_cpu and not variants and load_kernels(engine.paged_kernel) is not None
         self.use_prefill_kernel = self.use_kernel and shape.head_dim % 16 == 0  # its widest vector (AVX-512)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.upload = Uploader(self.device)  # a step's integer inputs: one copy to the device
         self.pad_prefill = self.device.type == "cpu"  # see shapes.prefill_padded_size
         self.decode_buckets = decode_buckets(batching.max_batch_size)
         # on a GPU: decode attention in the Triton kernel (block tables read on the device)
-        self.use_triton = self.device.type == "cuda" and triton_paged.available()
+        self.use_triton = self.device.type == "cuda" and not variants and triton_paged.available()
         graphed = engine.cuda_graphs and self.use_triton
         self.graphs = self._decode_graphs(batching.max_seq_len) if graphed else None
         # eager CPU steps run the lean forward where the architecture allows (compiled ones fuse themselves)
@@ -88,6 +97,7 @@ class ModelRunner:
             getattr(self.model, "generation_config", None), self.model.config, self.tokenizer
         )
         self.max_token_chars = max_token_chars(self.tokenizer)
+        check_runner(self, reference)  # a model computed wrong is refused here (ModelMismatch)
         log.info(
             "engine: %s on %s/%s, KV pool %d blocks x %d tokens (%.1f MiB)",
             engine.model,
@@ -126,7 +136,7 @@ class ModelRunner:
     # -- forward passes -------------------------------------------------------------------------
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.get_output_embeddings()(hidden).float()
+        return self.finish_logits(self.model.get_output_embeddings()(hidden)).float()
 
     @torch.inference_mode()
     def prefill(
@@ -229,7 +239,11 @@ class ModelRunner:
                 torch._dynamo.mark_dynamic(meta.block_tables, 1)  # context grows: no recompile per block
                 if meta.mask is not None:
                     torch._dynamo.mark_dynamic(meta.mask, 3)
-        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, tokenfleet_step=meta)
+        token = CURRENT_STEP.set(meta)  # for layers that drop the keyword on the way to attention
+        try:
+            out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, tokenfleet_step=meta)
+        finally:
+            CURRENT_STEP.reset(token)
         return out.last_hidden_state
 
     @torch.inference_mode()

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenfleet.engines.native.attention.paged import PrefillGroups, StepMetadata, length_groups
+from tokenfleet.engines.native.attention.paged import PrefillGroups, StepMetadata
+from tokenfleet.engines.native.attention.torch_route import length_groups
 from tokenfleet.kvcache.store import PagedKVStore
 
 
