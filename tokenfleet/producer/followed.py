@@ -26,6 +26,11 @@ class FollowedStreams(Generic[InboxT]):
     def __init__(self, wake_key: str):
         self.positions: dict[bytes, str | bytes] = {}
         self.inboxes: dict[bytes, InboxT] = {}
+        # each follow of a stream is a new one: a read sent for an earlier follow of it (from its
+        # position, not this one's) hands this one nothing, and the next read asks from its own
+        self._follows: dict[bytes, int] = {}
+        self._asked: dict[bytes, int] = {}  # the follow each stream of the read in flight is for
+        self._count = 0
         self.wake_name = wake_key.encode()
         self.wake_id: str | bytes = "0"
         self.wake_sent = False  # a wake-up is on its way to the read in flight
@@ -34,11 +39,14 @@ class FollowedStreams(Generic[InboxT]):
         name = stream.encode()
         self.positions[name] = after
         self.inboxes[name] = inbox
+        self._count += 1
+        self._follows[name] = self._count
 
     def remove(self, stream: str) -> None:
         name = stream.encode()
         self.positions.pop(name, None)
         self.inboxes.pop(name, None)
+        self._follows.pop(name, None)
 
     def __contains__(self, stream: str) -> bool:
         return stream.encode() in self.inboxes
@@ -48,6 +56,7 @@ class FollowedStreams(Generic[InboxT]):
 
     def to_read(self) -> dict[bytes, str | bytes]:
         """The next XREAD's streams and ids: every followed stream and the wake-up stream."""
+        self._asked = dict(self._follows)
         return {**self.positions, self.wake_name: self.wake_id}
 
     def hand_over(self, reply: Any) -> None:
@@ -59,7 +68,8 @@ class FollowedStreams(Generic[InboxT]):
                 self.wake_id = entries[-1][0]
                 continue
             inbox = self.inboxes.get(name)
-            if inbox is not None and entries:  # not unfollowed while the read was out
+            # not unfollowed, nor followed anew from elsewhere, while the read was out
+            if inbox is not None and entries and self._asked.get(name) == self._follows.get(name):
                 self.positions[name] = entries[-1][0]
                 inbox.put_nowait(entries)
 
@@ -72,3 +82,4 @@ class FollowedStreams(Generic[InboxT]):
     def clear(self) -> None:
         self.inboxes.clear()
         self.positions.clear()
+        self._follows.clear()
