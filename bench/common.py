@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -103,10 +104,12 @@ def worker_process(
     flags: list[str],
     env: dict[str, str] | None = None,
     python: str = sys.executable,
+    preexec: Callable[[], None] | None = None,
 ):
     """A ``tokenfleet worker`` process on ``url`` under ``prefix``, yielded once it has announced
     itself (after any ``--compile`` warm-up); SIGTERM, and a wait for it to finish, on exit.
-    ``python``: the interpreter of the virtualenv it runs in (vLLM's, for ``--engine vllm``)."""
+    ``python``: the interpreter of the virtualenv it runs in (vLLM's, for ``--engine vllm``);
+    ``preexec``: run in the child before it starts (a cgroup to join)."""
     import redis
 
     from tokenfleet.protocol import Keys
@@ -118,6 +121,7 @@ def worker_process(
         env={**os.environ, **(env or {}), "REDIS_URL": url, "TOKENFLEET_PREFIX": prefix},
         stdout=subprocess.DEVNULL,
         stderr=log,
+        preexec_fn=preexec,
     )
     try:
         admin = redis.Redis.from_url(url)

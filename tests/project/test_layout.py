@@ -32,12 +32,10 @@ def test_the_environment_is_read_in_config_loading_only():
             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
                 readers.append(str(path.relative_to(PACKAGE)))
     # vLLM's own switch is set (not read) for the engine it starts in this process; the worker's
-    # allocator builds the environment (LD_PRELOAD) of the process it re-executes as, and its
-    # OpenMP wait policy is set before torch loads
+    # allocator builds the environment (LD_PRELOAD) of the process it re-executes as
     assert sorted(set(readers)) == [
         "config/loading.py",
         "engines/vllm/core.py",
-        "worker/process/cpus.py",
         "worker/process/malloc.py",
     ]
 

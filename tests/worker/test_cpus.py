@@ -1,6 +1,6 @@
-"""A worker's threads come from the CPUs it may use: its affinity, capped by its cgroup's CPU
-quota (v1 or v2, on its own group or an ancestor), not every core the machine has; its OpenMP
-threads wait passively unless the user says otherwise; ``--dry-run`` says what was chosen."""
+"""A worker's threads start from the CPUs it may use: its affinity, capped by its cgroup's CPU
+quota (v1 or v2, on its own group or an ancestor), not every core the machine has; ``--dry-run``
+says what was chosen, and how OpenMP's threads wait."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tokenfleet.worker.process.cpus import CpuShare, cgroup_quota
+from tokenfleet.config.cpus import CpuShare, cgroup_quota
 
 V1_MOUNTS = (
     "30 25 0:26 / /sys/fs/cgroup/cpu rw,nosuid - cgroup cgroup rw,cpu,cpuacct\n"
@@ -86,7 +86,11 @@ def test_dry_run_says_the_threads_and_the_wait_policy_chosen(tiny_model):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "TOKENFLEET_"))}
     first = min(os.sched_getaffinity(0))
     pinned = dry_run(tiny_model, env, {first})
-    assert pinned["threads"] == 1 and pinned["omp_wait_policy"] == "PASSIVE"
-    assert dry_run(tiny_model, env)["threads"] == len(os.sched_getaffinity(0))
+    assert pinned["threads_chosen"].startswith("1 at start (1 CPU in its affinity)")
+    assert pinned["omp_wait_policy"].startswith("OpenMP's default")
+    everything = dry_run(tiny_model, env)["threads_chosen"]
+    assert everything.startswith(f"{len(os.sched_getaffinity(0))} at start"), everything
     mine = dry_run(tiny_model, {**env, "OMP_WAIT_POLICY": "ACTIVE", "TOKENFLEET_THREADS": "3"}, {first})
-    assert mine["threads"] == 3 and mine["omp_wait_policy"] == "ACTIVE"  # the user's word wins
+    assert (
+        mine["threads_chosen"] == "3 (--threads)" and mine["omp_wait_policy"] == "ACTIVE"
+    )  # the user's word

@@ -7,7 +7,6 @@ import gc
 import json
 import logging
 import signal
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,10 @@ import click
 
 from tokenfleet.cli.common import fail, require_engine, settings_options
 from tokenfleet.config import PROFILES, WORKER_SETTINGS, flatten, resolve_worker_config
+from tokenfleet.config.cpus import cpu_share
+from tokenfleet.config.loading import openmp_wait_policy
 from tokenfleet.transport.server.memory import EvictingRedis
-from tokenfleet.worker.process import cpus, malloc
+from tokenfleet.worker.process import malloc
 
 
 @click.command(short_help="Serve requests from bucket streams (until SIGTERM).")
@@ -57,14 +58,11 @@ def worker(profile: str | None, config_file: str | None, log_level: str, dry_run
     if not config.engine.model:
         fail("no model: give --model DIR (or TOKENFLEET_MODEL, or model in the --config file)")
     _check_model_dir(config.engine.model)
-    share = cpus.cpu_share()
-    if config.engine.threads is None:  # what this process may use, not every core the machine has
-        config = replace(config, engine=replace(config.engine, threads=share.threads))
+    threads = threads_chosen(config.engine.threads)
     if dry_run:
-        settings = {**flatten(config), "omp_wait_policy": cpus.openmp_wait_policy()}
-        click.echo(json.dumps(settings, indent=2))
+        chosen = {"threads_chosen": threads, "omp_wait_policy": openmp_wait_policy()}
+        click.echo(json.dumps({**flatten(config), **chosen}, indent=2))
         return
-    wait = cpus.arrange_openmp()  # read when the OpenMP runtime loads: before torch
     try:
         malloc.arrange(config.engine.allocator)  # may re-execute this process, before torch loads
     except ValueError as e:
@@ -72,7 +70,7 @@ def worker(profile: str | None, config_file: str | None, log_level: str, dry_run
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     worker_log = logging.getLogger("tokenfleet.worker")
     worker_log.info(malloc.describe())
-    worker_log.info("threads: %d (%s); OpenMP waits %s", config.engine.threads, share.describe(), wait)
+    worker_log.info("threads: %s; OpenMP waits: %s", threads, openmp_wait_policy())
     # Loading makes ~400k long-lived objects (torch, transformers, the model), and the collector
     # scanned them all seven times on the way (0.9 s of a 5 s SmolLM2 start): off while loading,
     # then one collection (what loading left in cycles) and the survivors frozen out of later scans.
@@ -95,6 +93,17 @@ def worker(profile: str | None, config_file: str | None, log_level: str, dry_run
         # frozen objects outlive the interpreter's last collection, and nanobind (in triton, which
         # torch imports) then printed ~100 lines of "leaked instance" warnings at every exit
         gc.unfreeze()
+
+
+def threads_chosen(asked: int | None) -> str:
+    """What the worker's thread count will be, and why, in a phrase."""
+    if asked is not None:
+        return f"{asked} (--threads)"
+    share = cpu_share()
+    return (
+        f"{share.threads} at start ({share.describe()}), re-measured while serving: fewer while other "
+        "work takes these CPUs"
+    )
 
 
 def _check_model_dir(model_dir: str) -> None:

@@ -148,3 +148,10 @@ def kernel_cache_dirs() -> list[Path]:
         return [Path(os.environ[ENV_PREFIX + "KERNEL_CACHE"])]
     dirs = [cache_dir() / "kernels", Path.home() / ".cache" / "tokenfleet" / "kernels"]
     return dirs[:1] if dirs[0] == dirs[1] else dirs
+
+
+def openmp_wait_policy() -> str:
+    """How this process's idle OpenMP threads wait (``OMP_WAIT_POLICY``, read once by the runtime).
+    The worker leaves OpenMP's default, which measured fastest alone and, with the thread count
+    re-measured while serving, beside a neighbour too (docs/PERFORMANCE.md, "Sharing a machine")."""
+    return os.environ.get("OMP_WAIT_POLICY") or "OpenMP's default (spin briefly, then sleep)"

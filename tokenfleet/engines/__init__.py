@@ -12,6 +12,7 @@ import importlib.util
 import logging
 
 from tokenfleet.config import WorkerConfig
+from tokenfleet.config.cpus import cpu_share
 from tokenfleet.core.interface import EngineCore
 
 log = logging.getLogger(__name__)
@@ -43,10 +44,10 @@ def build_core(config: WorkerConfig) -> EngineCore:
     engine = config.engine
     backend, why = choose_backend(engine.backend, engine.device)
     log.info("engine backend: %s (%s)", backend, why)
-    if engine.threads:
-        import torch
+    import torch
 
-        torch.set_num_threads(engine.threads)
+    # what this process may use (affinity, cgroup quota), not every core the machine has
+    torch.set_num_threads(engine.threads or cpu_share().threads)
     if backend == "vllm":
         from tokenfleet.engines.vllm.core import VllmCore
 

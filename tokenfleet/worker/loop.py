@@ -37,6 +37,7 @@ from tokenfleet.worker.policy import Plan, TurnPolicy, read_budget
 from tokenfleet.worker.publisher import Publisher
 from tokenfleet.worker.stepper import Stepper
 from tokenfleet.worker.stops import enforce_stops
+from tokenfleet.worker.thread_tuning import RunQueueWait, ThreadTuner
 from tokenfleet.worker.timing import TimeSpent
 from tokenfleet.worker.upkeep import FleetBuckets, Upkeep
 from tokenfleet.worker.wait_tuning import WaitTuning
@@ -47,6 +48,16 @@ IDLE_BLOCK_MS = 500  # longest blocking read, so that a stop request is noticed 
 FORMING_POLL_MS = 5  # while a batch waits for max_wait_ms: look for more requests this often
 OOM_RETRY_S = 0.5  # a full Redis answers at once: retrying often costs nothing, and resumes soonest
 OOM_HELD = f"redis is out of memory (maxmemory): holding %d requests, trying again every {OOM_RETRY_S} s"
+
+
+def thread_tuner(config: WorkerConfig, core: EngineCore) -> ThreadTuner | None:
+    """The native engine's compute threads on the CPU, re-measured while serving, unless the user
+    named them (``--threads``)."""
+    if config.engine.threads is not None or core.backend != "native" or core.facts.device != "cpu":
+        return None
+    import torch
+
+    return ThreadTuner(torch.get_num_threads(), torch.set_num_threads, RunQueueWait().share)
 
 
 class Worker:
@@ -90,7 +101,9 @@ class Worker:
             shared=not isinstance(self.client, RedisCluster),
             exchange_interval_s=config.streaming.exchange_interval_ms / 1000,
         )
-        self.stepper = Stepper(self.core, self.tuning, self.policy, self.publisher, self.metrics)
+        self.stepper = Stepper(
+            self.core, self.tuning, self.policy, self.publisher, self.metrics, thread_tuner(config, self.core)
+        )
         self.spent = TimeSpent()
         self.reclaimed = 0  # requests taken over from dead workers
         self.turns_failed = 0  # turns a bug ended (logged; the loop went on)

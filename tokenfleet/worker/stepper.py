@@ -13,6 +13,7 @@ from tokenfleet.ratelog import RateLimitedLog
 from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.policy import TurnPolicy
 from tokenfleet.worker.publisher import Publisher
+from tokenfleet.worker.thread_tuning import ThreadTuner
 from tokenfleet.worker.wait_tuning import WaitTuning
 
 log = logging.getLogger(__name__)
@@ -26,8 +27,11 @@ class Stepper:
         policy: TurnPolicy,
         publisher: Publisher,
         metrics: WorkerMetrics,
+        threads: ThreadTuner | None,
     ):
+        """``threads``: re-measures the compute threads on decode steps (None: they stay as set)."""
         self.core = core
+        self.threads = threads
         self.tuning = tuning
         self.policy = policy
         self.publisher = publisher
@@ -54,8 +58,13 @@ class Stepper:
             self.metrics.observe_batch(event)
             if event.kind == "prefill":
                 log.info("batch size %d (%s)", event.size, event.describe())
+            if self.threads is not None and len(output.batches) == 1:
+                self.threads.ran(
+                    event.kind, event.prompt_tokens if event.kind == "prefill" else event.size, seconds
+                )
         self.metrics.preempted(len(output.preempted))
         if output.tokens and not any(event.kind == "prefill" for event in output.batches):
             self.policy.step_done(seconds)
+
         self.publisher.publish(output)
         return output, seconds

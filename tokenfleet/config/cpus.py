@@ -1,27 +1,20 @@
-"""The CPUs a worker may use, and how its OpenMP threads wait between parallel regions.
+"""The CPUs this process may use, for the worker's thread count.
 
 ``os.cpu_count()`` (and torch's default thread count) is every core the machine has; a worker
 gets fewer when its affinity is narrower (``taskset``, a cpuset) or a CPU quota caps its cgroup
 (a container run with ``--cpus 1``, a Kubernetes CPU limit). An OpenMP team wider than that is
 throttled at every barrier: each thread waits for the slowest, and the slowest is the one the
-quota or a neighbour keeps off its core. So the worker's threads default to what it may use.
-
-How idle OpenMP threads wait (``OMP_WAIT_POLICY``) matters beside a neighbour: threads that spin
-between a step's parallel regions burn the time a neighbour, or the worker's own Python thread
-scheduling the next step, could use. It is read when the OpenMP runtime loads, so it is set in
-the environment before torch is imported (``tokenfleet worker`` does; a user's own value wins).
+quota keeps off its core. So the worker's threads start at what it may use (and
+:mod:`tokenfleet.worker.thread_tuning` re-measures them while it serves, for neighbours).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-# chosen by bench/neighbour.py (docs/PERFORMANCE.md, "Sharing a machine"): passive waits cost
-# nothing measurable alone and keep a busy neighbour from halving a step
-OMP_WAIT_POLICY = "PASSIVE"
 
 
 @dataclass(frozen=True)
@@ -89,7 +82,9 @@ def mount_point(mountinfo: list[str], fstype: str, option: str | None) -> str | 
     return None
 
 
-def walk(root: Path, mount: str | None, path: str, read) -> list[float | None]:
+def walk(
+    root: Path, mount: str | None, path: str, read: Callable[[Path], float | None]
+) -> list[float | None]:
     """``read`` of the cgroup at ``path`` under ``mount`` and of each ancestor up to the mount."""
     if mount is None:
         return []
@@ -113,14 +108,3 @@ def v1_quota(group: Path) -> float | None:
     except (OSError, ValueError):
         return None
     return None if quota <= 0 or period <= 0 else quota / period
-
-
-def openmp_wait_policy() -> str:
-    """The wait policy a worker started now would run with."""
-    return os.environ.get("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
-
-
-def arrange_openmp() -> str:
-    """Set this process's OpenMP wait policy before torch loads (a user's own value wins); returns
-    the policy it runs with."""
-    return os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
