@@ -32,6 +32,12 @@ class GatewayConfig:
         256, "Chat completions' max_tokens when a request gives none (completions: 16, as OpenAI)."
     )
     idempotency_ttl_s: int = setting(24 * 3600, "How long an Idempotency-Key keeps pointing at its request.")
+    max_request_bytes: int = setting(
+        8 << 20,
+        "Largest request body accepted, e.g. 8MiB; a larger one is answered 413 before it is read "
+        "(the Batch API's uploads: --max-file-bytes).",
+        kind="size",
+    )
     max_file_bytes: int = setting(64 << 20, "Largest file the Batch API accepts, e.g. 64MiB.", kind="size")
     batch_jobs: bool = setting(
         True, "Run Batch API jobs in this process too (an RQ worker thread; each job runs once)."
@@ -43,6 +49,9 @@ class GatewayConfig:
             raise ValueError(f"port must be in 1-65535, got {self.port!r}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s!r}")
+        for name in ("max_request_bytes", "max_file_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens!r}")
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from tokenfleet.batcher import Batcher, PendingRequest
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.protocol import ErrorCode, Refusal, Request, smallest_bucket
+from tokenfleet.protocol.prompt_length import cannot_fit
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class Admission:
         largest = largest_bucket or self.limits.largest_bucket
         chars = sum(len(content) for _, content in request.messages) if request.messages else 0
         chars += len(request.prompt) if request.prompt is not None else 0
-        if chars > largest * self.limits.max_token_chars:
+        if cannot_fit(chars, largest, self.limits.max_token_chars):
             return Refusal(
                 ErrorCode.PROMPT_TOO_LONG,
                 f"prompt of {chars} characters cannot fit the largest bucket ({largest} tokens)",

@@ -1,5 +1,6 @@
-"""Facts of a model's vocabulary that every backend needs the same way: its end-of-sequence ids,
-the longest text one token decodes to, and chat messages rendered with its template."""
+"""Facts of a model's vocabulary that every backend needs the same way: its end-of-sequence ids
+and chat messages rendered with its template (the longest text one token decodes to is the
+protocol's: :mod:`tokenfleet.protocol.prompt_length`)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,6 @@ def eos_token_ids(generation_config: Any, model_config: Any, tokenizer: Any) -> 
     if not ids and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
-
-
-def max_token_chars(tokenizer: Any) -> int:
-    """Most characters one token decodes to (bounds a prompt's length from its token count)."""
-    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
-    return max(1, longest + 1)  # +1: byte-level markers and word-boundary spaces
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenfleet.config import GatewayConfig
 from tokenfleet.gateway import batches, completions, errors, files
 from tokenfleet.gateway.errors import APIError
+from tokenfleet.gateway.limits import BodyLimit
 from tokenfleet.gateway.service import Service
 from tokenfleet.ratelog import RateLimitedLog
 from tokenfleet.transport.server.connection import connect_server
@@ -58,7 +59,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     errors.install(app)
     metrics = _Metrics()
     # plain ASGI, not @app.middleware: that wrapper hides a client's disconnect from the routes
-    app.add_middleware(_Guard, keys=config.keys, metrics=metrics)
+    app.add_middleware(BodyLimit, limit=config.max_request_bytes, upload_limit=config.max_file_bytes)
+    app.add_middleware(_Guard, keys=config.keys, metrics=metrics)  # outermost: keys before bodies
 
     @app.get("/health")
     async def health(request: Request) -> Response:

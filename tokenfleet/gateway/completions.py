@@ -1,9 +1,12 @@
 """``POST /v1/completions``, ``POST /v1/chat/completions`` and ``GET /v1/requests/{id}``.
 
 A completion of ``n`` choices is ``n`` tokenfleet requests (per prompt). Streamed, its chunks are
-SSE events with resumable ids; otherwise the gateway waits for every choice's result. A client
-that goes away cancels its requests, unless it sent an ``Idempotency-Key`` or
-``X-Tokenfleet-Keep: 1`` (it means to come back).
+SSE events in exactly OpenAI's shape (``data:`` lines only, which every client's parser reads);
+a client that sends ``X-Tokenfleet-Resumable: 1`` also gets each event's ``id:``, to pick a
+dropped stream up on any replica with ``Last-Event-ID``. Otherwise the gateway waits for every
+choice's result. A client that goes away cancels its requests, unless it sent an
+``Idempotency-Key``, ``X-Tokenfleet-Keep: 1`` or ``X-Tokenfleet-Resumable: 1`` (it means to
+come back).
 """
 
 from __future__ import annotations
@@ -58,8 +61,13 @@ async def replay(
         raise APIError(404, f"no completion {completion_id!r} (expired, or never made)", "not_found_error")
     progress = CompletionProgress([START] * completion.choices)
     if stream:
-        return await stream_response(service, completion, progress, include_usage=True, keep=True)
+        ids = opted_in(request, "x-tokenfleet-resumable")
+        return await stream_response(service, completion, progress, include_usage=True, keep=True, ids=ids)
     return await whole_response(service, request, completion, keep=True)
+
+
+def opted_in(request: Request, header: str) -> bool:
+    return request.headers.get(header, "").lower() in ("1", "true")
 
 
 async def serve(
@@ -68,8 +76,9 @@ async def serve(
     service: Service = request.app.state.service
     headers = request.headers
     idempotency_key = headers.get("idempotency-key")
-    keep = idempotency_key is not None or headers.get("x-tokenfleet-keep", "").lower() in ("1", "true")
     last_event_id = headers.get("last-event-id")
+    resumable = bool(last_event_id) or opted_in(request, "x-tokenfleet-resumable")  # ids on its events
+    keep = idempotency_key is not None or resumable or opted_in(request, "x-tokenfleet-keep")
     if last_event_id:  # a dropped stream, picked up here
         completion, positions = await resumed(service, last_event_id)
         progress = CompletionProgress(positions)
@@ -77,7 +86,7 @@ async def serve(
         completion = await submit(service, kind, body, default_max_tokens, idempotency_key)
         progress = CompletionProgress([START] * completion.choices)
     if body.stream:
-        return await stream_response(service, completion, progress, body.include_usage, keep)
+        return await stream_response(service, completion, progress, body.include_usage, keep, resumable)
     return await whole_response(service, request, completion, keep)
 
 
@@ -131,9 +140,11 @@ async def stream_response(
     progress: CompletionProgress,
     include_usage: bool,
     keep: bool,
+    ids: bool,
 ) -> JSONResponse | StreamingResponse:
-    """The SSE stream; its status waits for the first event, so a request that fails at once
-    (too long a prompt, say) gets its HTTP error rather than a 200 with an error inside."""
+    """The SSE stream (``ids``: each event with its ``id:``); its status waits for the first event,
+    so a request that fails at once (too long a prompt, say) gets its HTTP error rather than a
+    200 with an error inside."""
     lost = partial(orphaned_error, service.fleet, completion.model)
     events = follow(service.client, completion, progress, service.config.request_timeout_s, lost)
     first: tuple[int, ReplyEvent] | None = None
@@ -159,7 +170,7 @@ async def stream_response(
     async def body() -> AsyncIterator[bytes]:
         finished = False
         try:
-            async for chunk in chunks(service.client, completion, progress, replayed(), include_usage):
+            async for chunk in chunks(service.client, completion, progress, replayed(), include_usage, ids):
                 yield chunk
             finished = True
         finally:

@@ -1,6 +1,7 @@
-"""Server-sent events in OpenAI's chunk format, each carrying an ``id:`` that names the completion
-and where each of its choices has got to on its reply stream. A client that reconnects with
-``Last-Event-ID``, to any replica, gets the rest with no gap and no repeat."""
+"""Server-sent events in OpenAI's chunk format, ``data:`` lines only as OpenAI sends them; for a
+client that opts in, each also carries an ``id:`` that names the completion and where each of its
+choices has got to on its reply stream. A client that reconnects with ``Last-Event-ID``, to any
+replica, gets the rest with no gap and no repeat."""
 
 from __future__ import annotations
 
@@ -106,17 +107,18 @@ async def chunks(
     progress: CompletionProgress,
     events: AsyncIterator[tuple[int, ReplyEvent]],
     include_usage: bool,
+    ids: bool,
 ) -> AsyncIterator[bytes]:
     """The SSE body: a chunk per token event, a closing chunk per choice with its finish reason,
-    the usage when asked, ``[DONE]``. An error after the first chunk ends the stream with an
-    ``error`` event (OpenAI's clients raise it)."""
+    the usage when asked, ``[DONE]`` (``ids``: each event with its resume id). An error after
+    the first chunk ends the stream with an ``error`` event (OpenAI's clients raise it)."""
     begun = {k for k, p in enumerate(progress.positions) if p != START}
     decode = decoder(client.tokenizer)
     calls: dict[int, list[str]] = {}  # a tool call's text by choice: it goes out whole, at its end
     try:
         async for k, event in events:
             progress.positions[k] = event.stream_id
-            ident = event_id(completion, progress.positions)
+            ident = event_id(completion, progress.positions) if ids else None
             if isinstance(event, TokenEvent) and (
                 k in calls or (k not in begun and completion.answers_with_calls(event.text))
             ):  # under tool_choice auto the answer's first character tells a call from text
@@ -152,9 +154,8 @@ async def chunks(
         yield sse(api_error(e).body())
     if include_usage and not progress.pending:
         await done_events(client, completion, progress)
-        yield sse(
-            completion.usage_chunk(usage_of(completion, progress)), event_id(completion, progress.positions)
-        )
+        ident = event_id(completion, progress.positions) if ids else None
+        yield sse(completion.usage_chunk(usage_of(completion, progress)), ident)
     yield sse("[DONE]")
 
 

@@ -29,6 +29,8 @@ from tokenfleet.producer.routing import enqueue_args, queue_full_error, result_t
 from tokenfleet.protocol import ReplyEvent
 from tokenfleet.transport.server.connection import connect_async_client
 
+TOKENIZE_ASIDE_CHARS = 64 << 10  # longer prompts are tokenized on a thread (~10 ms of a core and up)
+
 
 class AsyncClient(ClientBase):
     def __init__(
@@ -60,8 +62,13 @@ class AsyncClient(ClientBase):
         request_id: str | None = None,
         **params: Any,
     ) -> AsyncHandle:
-        request = self._prepare(prompt, input_ids, request_id, params)
-        stream = target_stream(self.keys, request, await self.buckets())
+        buckets = await self.buckets()
+        if prompt is not None and self.tokenizer is not None and len(prompt) > TOKENIZE_ASIDE_CHARS:
+            # a long prompt's tokenizing would hold up every other caller of this event loop
+            request = await asyncio.to_thread(self._prepare, prompt, input_ids, request_id, params, buckets)
+        else:
+            request = self._prepare(prompt, input_ids, request_id, params, buckets)
+        stream = target_stream(self.keys, request, buckets)
         keys, args = enqueue_args(self.keys, stream, request)
         reply = self.keys.reply_stream(request.id)
         pipe = self.redis.pipeline(transaction=not self._cluster)  # see Client.submit

@@ -11,9 +11,10 @@ from typing import Any
 
 from tokenfleet import protocol
 from tokenfleet.config import prefix_from_env
-from tokenfleet.errors import RequestFailed
+from tokenfleet.errors import ProtocolError, RequestFailed
 from tokenfleet.producer.routing import build_request, load_tokenizer, next_block_ms, result_timeout
 from tokenfleet.protocol import DoneEvent, ErrorCode, Keys, ReplyEvent, Request, TokenEvent
+from tokenfleet.protocol.prompt_length import cannot_fit, max_token_chars
 from tokenfleet.transport import scripts
 
 BUCKETS_TTL_S = 10.0
@@ -204,6 +205,7 @@ class ClientBase:
         self.redis = redis_client
         self.keys = Keys(prefix_from_env(prefix))
         self.tokenizer = load_tokenizer(model)
+        self.max_token_chars = max_token_chars(self.tokenizer) if self.tokenizer is not None else 0
         self._fixed_buckets = list(buckets) if buckets else None
         self._enqueue = self.redis.register_script(scripts.ENQUEUE)
         self._buckets: list[int] = []
@@ -233,10 +235,23 @@ class ClientBase:
         return self._buckets
 
     def _prepare(
-        self, prompt: str | None, input_ids: list[int] | None, request_id: str | None, params: dict[str, Any]
+        self,
+        prompt: str | None,
+        input_ids: list[int] | None,
+        request_id: str | None,
+        params: dict[str, Any],
+        buckets: list[int],
     ) -> Request:
         """Build the request (token ids when the tokenizer is here) and fail here, not in a
-        worker's reply, if it breaks the protocol."""
+        worker's reply, if it breaks the protocol or its text cannot fit any bucket served
+        (checked before tokenizing: a huge prompt costs nothing)."""
+        tokenized_here = prompt is not None and self.tokenizer is not None
+        if tokenized_here and buckets and cannot_fit(len(prompt or ""), max(buckets), self.max_token_chars):
+            raise ProtocolError(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"prompt of {len(prompt or '')} characters cannot fit the largest bucket served "
+                f"({max(buckets)} tokens)",
+            )
         request = build_request(prompt, input_ids, self.tokenizer, request_id, params)
         protocol.validate_request(request.to_wire())
         return request

@@ -78,8 +78,9 @@ class Client(ClientBase):
         ``logprobs`` (top-k, 0-20), ``response_format`` (OpenAI's map, or a pydantic model class
         for its JSON schema), ``deadline_ms``, ``reply_ttl_s`` (see PROTOCOL.md).
         """
-        request = self._prepare(prompt, input_ids, request_id, params)
-        stream = target_stream(self.keys, request, self.buckets())
+        buckets = self.buckets()
+        request = self._prepare(prompt, input_ids, request_id, params, buckets)
+        stream = target_stream(self.keys, request, buckets)
         keys, args = enqueue_args(self.keys, stream, request)
         reply = self.keys.reply_stream(request.id)
         # one MULTI: the empty reply stream and the request exist together or not at all (on a

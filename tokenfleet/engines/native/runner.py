@@ -16,7 +16,7 @@ import torch
 from tokenfleet.config import DynamicBatchingConfig, EngineConfig, KVCacheConfig
 from tokenfleet.core.interface import ModelFacts
 from tokenfleet.core.sequence import SeqState
-from tokenfleet.core.vocab import eos_token_ids, max_token_chars
+from tokenfleet.core.vocab import eos_token_ids
 from tokenfleet.engines.native.attention import paged as attention
 from tokenfleet.engines.native.attention import triton_paged
 from tokenfleet.engines.native.attention.paged import CURRENT_STEP
@@ -33,6 +33,7 @@ from tokenfleet.engines.native.sampling.grammar_masks import GrammarMasks, Pendi
 from tokenfleet.engines.native.sampling.logits_process import choose_controlled
 from tokenfleet.engines.native.shapes import decode_buckets, prefill_forwards, prefill_padded_size
 from tokenfleet.engines.native.types import Chosen, PrefillResult
+from tokenfleet.protocol.prompt_length import max_token_chars
 
 log = logging.getLogger(__name__)
 

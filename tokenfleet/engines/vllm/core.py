@@ -23,10 +23,11 @@ from tokenfleet.core.admission import Limits
 from tokenfleet.core.front import CoreFront
 from tokenfleet.core.interface import BatchEvent, Capacity, ModelFacts, StepOutput, TokenOutput
 from tokenfleet.core.sequence import SeqState
-from tokenfleet.core.vocab import eos_token_ids, max_token_chars
+from tokenfleet.core.vocab import eos_token_ids
 from tokenfleet.engines.vllm.args import engine_args
 from tokenfleet.engines.vllm.controls import control_kwargs, vllm_logprobs
 from tokenfleet.protocol import Refusal, Request
+from tokenfleet.protocol.prompt_length import max_token_chars
 
 log = logging.getLogger(__name__)
 
