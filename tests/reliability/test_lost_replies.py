@@ -166,21 +166,23 @@ def test_the_gateway_answers_503_lost_when_redis_comes_back_empty(
     from tokenfleet.config import DynamicBatchingConfig
 
     server = EmbeddedRedis(binary=redis_server_binary).start()
-    batching = DynamicBatchingConfig(max_wait_ms=10, max_batch_size=1, max_seq_len=2048, buckets=(16, 64))
+    batching = DynamicBatchingConfig(max_wait_ms=10, max_batch_size=1, max_seq_len=4096, buckets=(16, 64))
     gateway = None
     try:
         with RunningWorker(runner, server.url, prefix, batching, claim_idle_ms=2000) as running:
             client = Client(server.url, prefix=prefix, buckets=[16, 64])
-            busy = client.submit(input_ids=reference.ids("busy"), max_new_tokens=1500, ignore_eos=True)
-            next(iter(busy.stream(timeout=120)))  # the only slot is taken
+            # the gateway first: its start-up (seconds under CI's load) must not use up `busy`
             gateway = Gateway(server.url, prefix, str(model_path), "--request-timeout-s", "600")
             api = gateway.openai(timeout=120)
             model = api.models.list().data[0].id
+            # 4000 tokens at batch 1: seconds on any machine, so the two below surely wait
+            busy = client.submit(input_ids=reference.ids("busy"), max_new_tokens=4000, ignore_eos=True)
+            next(iter(busy.stream(timeout=120)))  # the only slot is taken
             ask = dict(model=model, prompt="queued", max_tokens=8)
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
                 whole = pool.submit(api.completions.create, **ask)
                 stream = pool.submit(lambda: list(api.completions.create(**ask, stream=True)))
-                time.sleep(2.0)  # both enqueued, waiting behind `busy`
+                time.sleep(1.0)  # both enqueued, waiting behind `busy`
                 server.stop()
                 time.sleep(1.0)
                 server.start()
