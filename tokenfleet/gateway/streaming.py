@@ -6,10 +6,11 @@ replica, gets the rest with no gap and no repeat."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from tokenfleet.gateway.errors import api_error, reply_error
 from tokenfleet.producer import AsyncClient
@@ -96,9 +97,9 @@ async def done_events(client: AsyncClient, completion: Completion, progress: Com
 
 
 def sse(data: dict[str, Any] | str, event_id: str | None = None) -> bytes:
-    lines = [] if event_id is None else [f"id: {event_id}"]
-    lines.append("data: " + (data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))))
-    return ("\n".join(lines) + "\n\n").encode()
+    payload = data.encode() if isinstance(data, str) else orjson.dumps(data)
+    head = b"" if event_id is None else b"id: " + event_id.encode() + b"\n"
+    return head + b"data: " + payload + b"\n\n"
 
 
 async def chunks(
