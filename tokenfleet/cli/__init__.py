@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from tokenfleet.cli import demo, fleet, models, requests, serve, worker
+from tokenfleet.cli import demo, fleet, lora, models, requests, serve, worker
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -33,6 +33,7 @@ for command in (
     fleet.batch,
     fleet.rq_worker,
     fleet.acl,
+    lora.lora,
     demo.demo,
 ):
     main.add_command(command)

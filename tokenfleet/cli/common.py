@@ -75,6 +75,7 @@ _CLICK_TYPES: dict[str, Any] = {
     "path": click.Path(exists=True, file_okay=False),
     "buckets": str,  # parsed by the config, so that a flag and a file say the same thing
     "size": str,
+    "adapters": str,
 }
 
 
@@ -89,6 +90,15 @@ def _option(spec: Spec) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         name = spec.flag.removeprefix("--")
         return click.option(f"{spec.flag}/--no-{name}", spec.name, default=None, help=help_text)
     kind = click.Choice(setting.choices) if setting.choices else _CLICK_TYPES[setting.kind]
+    if setting.kind == "adapters":  # repeatable; none given is "not given", for the lower layers
+        return click.option(
+            spec.flag,
+            spec.name,
+            type=kind,
+            multiple=True,
+            callback=lambda _c, _p, v: v or None,
+            help=help_text,
+        )
     return click.option(spec.flag, spec.name, type=kind, default=None, help=help_text)
 
 

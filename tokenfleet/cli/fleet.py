@@ -57,7 +57,7 @@ def format_status(status: dict[str, Any]) -> str:
     lines.append(
         f"{'worker':<28} {'state':<6} {'buckets':<16} {'engine':<7} {'device':<8} "
         f"{'running':>7} {'waiting':>7} {'tok/s':>8} {'done':>7} {'KV used':>11} {'prefix hits':>11} "
-        f"{'shards':>6}"
+        f"{'shards':>6} adapters"
     )
     for w in status["workers"]:
         kv = f"{w.get('kv_blocks_used', 0)}/{w.get('kv_blocks_total', 0)}"
@@ -69,7 +69,7 @@ def format_status(status: dict[str, Any]) -> str:
             f"{w.get('engine', 'native'):<7} {w.get('device', '?'):<8} "
             f"{w.get('running', 0):>7} {w.get('waiting', 0):>7} "
             f"{w.get('tokens_per_s', 0):>8} {w.get('finished', 0):>7} {kv:>11} {hits:>11} "
-            f"{w.get('shards_owned', '-'):>6}"
+            f"{w.get('shards_owned', '-'):>6} {','.join(w.get('adapters') or []) or '-'}"
         )
     lines += ["", f"{'bucket':<8} {'lane':<12} {'depth':>7} {'pending':>8} {'oldest waiting':>15}"]
     for name, q in status["queues"].items():

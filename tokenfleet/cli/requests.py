@@ -55,6 +55,7 @@ def _client(redis_url: str | None, model_dir: str | None, prefix: str | None) ->
 @click.option("--presence-penalty", type=float, default=None, help="OpenAI's, -2 to 2.")
 @click.option("--frequency-penalty", type=float, default=None, help="OpenAI's, -2 to 2.")
 @click.option("--repetition-penalty", type=float, default=None, help="Hugging Face's, above 0 (1: off).")
+@click.option("--adapter", default=None, help="A LoRA adapter of the fleet (`tokenfleet lora list`).")
 @click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for the end.")
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the final result as JSON instead of streaming text."

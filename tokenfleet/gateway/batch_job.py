@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Collection
 from typing import Any
 
 from tokenfleet.errors import RequestFailed
@@ -29,7 +30,7 @@ def run_openai_batch(redis_url: str, prefix: str, model: str | None, batch_id: s
             return record["request_counts"]  # already ended (a rerun of a finished job)
         content = client.redis.hget(client.keys.file(record["input_file_id"]), "content")
         try:
-            jobs = parse(content, record["endpoint"], batch_id)
+            jobs = parse(content, record["endpoint"], batch_id, client.adapters())
         except ValueError as e:
             state.update(status="failed", failed_at=_now(), errors={"object": "list", "data": [_error(e)]})
             return record["request_counts"]
@@ -84,9 +85,10 @@ class LineError(ValueError):
         self.line = line
 
 
-def parse(content: bytes | None, endpoint: str, batch_id: str) -> list[Job]:
-    """The input file's lines as jobs; a line whose body is invalid becomes a job that fails
-    alone, as with OpenAI. ``ValueError`` (:class:`LineError`) for a file that cannot run."""
+def parse(content: bytes | None, endpoint: str, batch_id: str, adapters: Collection[str] = ()) -> list[Job]:
+    """The input file's lines as jobs (a ``model`` among ``adapters`` names that adapter); a line
+    whose body is invalid becomes a job that fails alone, as with OpenAI. ``ValueError``
+    (:class:`LineError`) for a file that cannot run."""
     if content is None:
         raise ValueError("the input file is gone (expired or deleted)")
     jobs: list[Job] = []
@@ -116,7 +118,8 @@ def parse(content: bytes | None, endpoint: str, batch_id: str) -> list[Job]:
             jobs.append(Job([], custom_id, completion, invalid=f"line {n}: {e}"))
             continue
         completion = Completion.of(name, kind, body)
-        jobs.append(Job(completion.submissions(body, lane=BULK_LANE), custom_id, completion))
+        adapter: dict[str, Any] = {"adapter": body.model} if body.model in adapters else {}
+        jobs.append(Job(completion.submissions(body, lane=BULK_LANE, **adapter), custom_id, completion))
     return jobs
 
 

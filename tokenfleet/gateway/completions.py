@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tokenfleet.gateway.adapters import resolve
 from tokenfleet.gateway.errors import APIError, api_error, reply_error
 from tokenfleet.gateway.service import Service
 from tokenfleet.gateway.streaming import START, CompletionProgress, chunks, follow, parse_event_id
@@ -109,11 +110,13 @@ async def submit(
     idempotency_key: str | None,
 ) -> Completion:
     """Enqueue the completion's requests, or attach to those an Idempotency-Key already made."""
-    await service.fleet.require(body.model)
+    base, adapter = await resolve(service, body.model)
+    await service.fleet.require(base)
     try:
         completion = Completion.new(kind, body)
         deadline_ms = int((time.time() + service.config.request_timeout_s) * 1000)
-        submissions = completion.submissions(body, default_max_tokens, deadline_ms=deadline_ms)
+        extra: dict[str, Any] = {"adapter": adapter} if adapter else {}
+        submissions = completion.submissions(body, default_max_tokens, deadline_ms=deadline_ms, **extra)
     except ValueError as e:
         raise APIError(400, str(e)) from e
     if idempotency_key is not None:

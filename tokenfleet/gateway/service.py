@@ -11,6 +11,7 @@ from typing import Any
 import redis
 
 from tokenfleet.config import GatewayConfig
+from tokenfleet.gateway.adapters import Adapters
 from tokenfleet.gateway.fleet import Fleet
 from tokenfleet.gateway.records import Records
 from tokenfleet.producer import AsyncClient
@@ -23,12 +24,14 @@ class Service:
     client: AsyncClient
     records: Records
     fleet: Fleet
+    adapters: Adapters
 
     @classmethod
     def start(cls, config: GatewayConfig) -> Service:
         client = AsyncClient(config.redis.url, model=config.model, prefix=config.redis.prefix)
         records = Records(client.redis, client.keys, config.idempotency_ttl_s)
-        return cls(config, client, records, Fleet(client.redis, client.keys))
+        fleet, adapters = Fleet(client.redis, client.keys), Adapters(client.redis, client.keys)
+        return cls(config, client, records, fleet, adapters)
 
     background: set[asyncio.Task[None]] = field(default_factory=set)
     _sync_redis: redis.Redis | None = None

@@ -34,6 +34,11 @@ def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
+def salted_root(salt: bytes) -> bytes:
+    """The parent name of a sequence's first block when its K/V depend on more than its tokens."""
+    return hashlib.blake2b(ROOT + b"salt:" + salt, digest_size=16).digest()
+
+
 def chain_hashes(tokens: Sequence[int], block_size: int, parent: bytes = ROOT) -> list[bytes]:
     """The names of every full block of ``tokens``, in order."""
     names = []
@@ -69,7 +74,7 @@ class BlockAllocator:
         self._tail: dict[Hashable, list[int]] = {}  # token ids in its last, partial block
         self.queries = 0  # prompt tokens looked up in the cache
         self.hits = 0  # ... found there
-        self._memo: OrderedDict[tuple[int, ...], list[bytes]] = OrderedDict()
+        self._memo: OrderedDict[tuple[tuple[int, ...], bytes], list[bytes]] = OrderedDict()
 
     # -- queries --------------------------------------------------------------------------------
 
@@ -94,30 +99,33 @@ class BlockAllocator:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def cached_prefix(self, tokens: Sequence[int]) -> list[int]:
+    def cached_prefix(self, tokens: Sequence[int], salt: bytes = b"") -> list[int]:
         """The named blocks ``tokens`` begin with, at most all but the last token's (that one is
-        computed: its logits start the generation)."""
+        computed: its logits start the generation). ``salt``: what else their K/V depend on (an
+        adapter); blocks named under another salt are never found."""
         if not self.prefix_caching or len(tokens) < 2:
             return []
         found = []
-        for name in self._names(tokens)[: (len(tokens) - 1) // self.block_size]:
+        for name in self._names(tokens, salt)[: (len(tokens) - 1) // self.block_size]:
             block = self._named.get(name)
             if block is None:
                 break
             found.append(block)
         return found
 
-    def blocks_to_take(self, tokens: Sequence[int], extra_tokens: int = 0) -> int:
+    def blocks_to_take(self, tokens: Sequence[int], extra_tokens: int = 0, salt: bytes = b"") -> int:
         """Blocks a new sequence of ``tokens`` (and room for ``extra_tokens`` more) would take off
         the free list: its new blocks, and the cached ones it reuses that no one holds."""
-        cached = self.cached_prefix(tokens)
+        cached = self.cached_prefix(tokens, salt)
         new = self.blocks_needed(len(tokens) + extra_tokens) - len(cached)
         return new + sum(self._refs[b] == 0 for b in cached)
 
-    def can_allocate(self, tokens: Sequence[int], reserve_blocks: int = 0, extra_tokens: int = 1) -> bool:
+    def can_allocate(
+        self, tokens: Sequence[int], reserve_blocks: int = 0, extra_tokens: int = 1, salt: bytes = b""
+    ) -> bool:
         """Whether a new sequence of ``tokens`` fits with room for ``extra_tokens`` more and leaves
         ``reserve_blocks`` free."""
-        return self.blocks_to_take(tokens, extra_tokens) + reserve_blocks <= len(self._free)
+        return self.blocks_to_take(tokens, extra_tokens, salt) + reserve_blocks <= len(self._free)
 
     def blocks_freed_by(self, seq_id: Hashable) -> int:
         """Blocks that would return to the free list if ``seq_id`` were freed (not those shared)."""
@@ -148,14 +156,15 @@ class BlockAllocator:
 
     # -- changes --------------------------------------------------------------------------------
 
-    def allocate(self, seq_id: Hashable, tokens: Sequence[int]) -> Allocation | None:
+    def allocate(self, seq_id: Hashable, tokens: Sequence[int], salt: bytes = b"") -> Allocation | None:
         """Blocks for a new sequence of ``tokens``: the cached blocks it begins with, shared, and
-        new ones for the rest (those it fills are named at once); None if the pool lacks room."""
+        new ones for the rest (those it fills are named at once, under ``salt``); None if the
+        pool lacks room."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds blocks")
         if len(tokens) < 1:
             raise ValueError("a sequence needs at least one token")
-        cached = self.cached_prefix(tokens)
+        cached = self.cached_prefix(tokens, salt)
         new = self.blocks_needed(len(tokens)) - len(cached)
         if new + sum(self._refs[b] == 0 for b in cached) > len(self._free):
             return None
@@ -165,7 +174,7 @@ class BlockAllocator:
         self._tables[seq_id] = table
         self._lengths[seq_id] = len(tokens)
         full = len(tokens) // self.block_size
-        chain = list(self._names(tokens)) if self.prefix_caching else []
+        chain = list(self._names(tokens, salt)) if self.prefix_caching else []
         self._chains[seq_id] = chain
         self._tail[seq_id] = list(tokens[full * self.block_size :])
         for i in range(len(cached), len(chain)):
@@ -222,13 +231,15 @@ class BlockAllocator:
             self._unname(block)
         self._unconfirmed.clear()
 
-    def _names(self, tokens: Sequence[int]) -> list[bytes]:
-        """The names of ``tokens``' full blocks, remembered for the last :data:`MEMO_SEQUENCES`
-        sequences asked about (a request waiting for room is asked about at every step)."""
-        key = tuple(tokens)
+    def _names(self, tokens: Sequence[int], salt: bytes) -> list[bytes]:
+        """The names of ``tokens``' full blocks under ``salt``, remembered for the last
+        :data:`MEMO_SEQUENCES` sequences asked about (a request waiting for room is asked about at
+        every step)."""
+        key = (tuple(tokens), salt)
         names = self._memo.get(key)
         if names is None:
-            names = self._memo[key] = chain_hashes(key, self.block_size)
+            root = salted_root(salt) if salt else ROOT
+            names = self._memo[key] = chain_hashes(key[0], self.block_size, root)
             if len(self._memo) > MEMO_SEQUENCES:
                 self._memo.popitem(last=False)
         else:

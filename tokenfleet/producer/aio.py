@@ -21,12 +21,14 @@ from tokenfleet.producer.base import (
     Continuity,
     Following,
     HandleBase,
+    adapter_records,
     mark_reply_stream,
 )
 from tokenfleet.producer.replies import ReplyReader
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
 from tokenfleet.producer.routing import enqueue_args, queue_full_error, result_timeout, target_stream
 from tokenfleet.protocol import ReplyEvent
+from tokenfleet.protocol.adapters import AdapterRecord
 from tokenfleet.transport.server.connection import connect_async_client
 
 TOKENIZE_ASIDE_CHARS = 64 << 10  # longer prompts are tokenized on a thread (~10 ms of a core and up)
@@ -53,6 +55,10 @@ class AsyncClient(ClientBase):
         if cached is not None:
             return cached
         return self._remember_buckets(await self.redis.smembers(self.keys.buckets))
+
+    async def adapters(self) -> dict[str, AdapterRecord]:
+        """The LoRA adapters the fleet serves, by name (see :meth:`Client.adapters`)."""
+        return adapter_records(await self.redis.hgetall(self.keys.adapters))
 
     async def submit(
         self,

@@ -3,6 +3,7 @@ building and validation, so that both behave the same."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import OrderedDict
@@ -14,6 +15,7 @@ from tokenfleet.config import prefix_from_env
 from tokenfleet.errors import ProtocolError, RequestFailed
 from tokenfleet.producer.routing import build_request, load_tokenizer, next_block_ms, result_timeout
 from tokenfleet.protocol import DoneEvent, ErrorCode, Keys, ReplyEvent, Request, TokenEvent
+from tokenfleet.protocol.adapters import AdapterRecord
 from tokenfleet.protocol.prompt_length import cannot_fit, max_token_chars
 from tokenfleet.transport import scripts
 
@@ -261,3 +263,12 @@ class ClientBase:
         for one running it now."""
         pipe.set(self.keys.cancel(request_id), 1, ex=CANCEL_TTL_S)
         pipe.xadd(self.keys.cancels, {"id": request_id}, maxlen=CANCELS_MAXLEN, approximate=True)
+
+
+def adapter_records(raw: dict[bytes, bytes]) -> dict[str, AdapterRecord]:
+    """The adapter registry's hash as records (an unreadable one left out: its adapter is unknown)."""
+    records = {}
+    for name, value in raw.items():
+        with contextlib.suppress(ProtocolError):
+            records[name.decode()] = AdapterRecord.from_json(name.decode(), value)
+    return records

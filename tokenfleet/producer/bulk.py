@@ -16,7 +16,7 @@ import hashlib
 import json
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -78,8 +78,11 @@ def _checked(item: Any, defaults: dict[str, Any] | None) -> dict[str, Any]:
     return item
 
 
-def jobs_of(items: list[dict[str, Any]], prefix: str, defaults: dict[str, Any] | None) -> list[Job]:
-    """Each line's requests, with ids ``<prefix>-<line>`` (and ``.<choice>`` for OpenAI's)."""
+def jobs_of(
+    items: list[dict[str, Any]], prefix: str, defaults: dict[str, Any] | None, adapters: Collection[str] = ()
+) -> list[Job]:
+    """Each line's requests, with ids ``<prefix>-<line>`` (and ``.<choice>`` for OpenAI's, whose
+    ``model`` may name one of the fleet's ``adapters``)."""
     from tokenfleet.producer.openai.batch import body_of_line
 
     jobs = []
@@ -88,7 +91,9 @@ def jobs_of(items: list[dict[str, Any]], prefix: str, defaults: dict[str, Any] |
             kind, body = body_of_line(item)
             completion = Completion.of(f"{prefix}-{i}", kind, body)
             lane = (defaults or {}).get("priority")
-            jobs.append(Job(completion.submissions(body, lane=lane), str(item["custom_id"]), completion))
+            adapter: dict[str, Any] = {"adapter": body.model} if body.model in adapters else {}
+            submissions = completion.submissions(body, lane=lane, **adapter)
+            jobs.append(Job(submissions, str(item["custom_id"]), completion))
         else:
             args = {**(defaults or {}), **item}
             args.pop("id", None)
@@ -213,7 +218,7 @@ def run_batch(
     from tokenfleet.producer.openai.batch import output_line
     from tokenfleet.producer.openai.controls import decoder
 
-    jobs = jobs_of(read_inputs(input_path, defaults), batch_id(input_path), defaults)
+    jobs = jobs_of(read_inputs(input_path, defaults), batch_id(input_path), defaults, client.adapters())
     start = _done_lines(output_path)
     if progress and start:
         progress(start)

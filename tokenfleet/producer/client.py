@@ -19,12 +19,14 @@ from tokenfleet.producer.base import (
     Continuity,
     Following,
     HandleBase,
+    adapter_records,
     mark_reply_stream,
 )
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
 from tokenfleet.producer.routing import enqueue_args, queue_full_error, target_stream
 from tokenfleet.producer.thread_replies import ThreadedReplyReader
 from tokenfleet.protocol import ReplyEvent
+from tokenfleet.protocol.adapters import AdapterRecord
 from tokenfleet.transport.server.connection import connect_client
 
 
@@ -59,6 +61,10 @@ class Client(ClientBase):
         if cached is not None:
             return cached
         return self._remember_buckets(self.redis.smembers(self.keys.buckets))
+
+    def adapters(self) -> dict[str, AdapterRecord]:
+        """The LoRA adapters the fleet serves, by name (``tokenfleet lora add``, a worker's ``--lora``)."""
+        return adapter_records(self.redis.hgetall(self.keys.adapters))
 
     def submit(
         self,

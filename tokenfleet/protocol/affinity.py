@@ -22,12 +22,16 @@ MAX_CACHE_KEY_LEN = 256
 
 
 def affinity_key(body: dict[str, Any]) -> bytes:
-    """The bytes a request's shard is hashed from, read off its wire map: ``cache_key`` when set;
-    else, for ``messages``, every message up to and including the first ``user`` one (all turns
-    of a chat share them, other chats do not); else the start of ``prompt`` or ``input_ids``."""
-    key = body.get("cache_key")
+    """The bytes a request's shard is hashed from, read off its wire map: ``cache_key`` when set
+    (prefixed by the ``adapter``'s name when it names one); else the ``adapter`` alone, so that an
+    adapter's traffic gathers on the workers that hold it; else, for ``messages``, every message
+    up to and including the first ``user`` one (all turns of a chat share them, other chats do
+    not); else the start of ``prompt`` or ``input_ids``."""
+    key, adapter = body.get("cache_key"), body.get("adapter")
     if key:
-        return b"k:" + str(key).encode()
+        return (b"a:" + str(adapter).encode() + b"\n" if adapter else b"") + b"k:" + str(key).encode()
+    if adapter:
+        return b"a:" + str(adapter).encode()
     messages = body.get("messages")
     if messages:
         parts = []

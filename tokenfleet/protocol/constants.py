@@ -11,7 +11,10 @@ OUTPUT_CONTROLS_VERSION = 2
 """The version of a request that uses an output control (``response_format``, ``logprobs``, the
 penalties, ``logit_bias``, ``min_tokens``): a worker too old to honour them refuses it
 (``unsupported_version``) instead of ignoring them."""
-SUPPORTED_VERSIONS = (PROTOCOL_VERSION, OUTPUT_CONTROLS_VERSION)
+ADAPTER_VERSION = 3
+"""The version of a request that names an ``adapter`` (a LoRA fine-tune of the model): a worker too
+old to apply it refuses it (``unsupported_version``) instead of answering from the base model."""
+SUPPORTED_VERSIONS = (PROTOCOL_VERSION, OUTPUT_CONTROLS_VERSION, ADAPTER_VERSION)
 
 GROUP = "workers"
 """Consumer group every worker joins on every request stream."""
@@ -45,6 +48,7 @@ parser, a repr) walks it."""
 MAX_LOGPROBS = 20
 """Most alternatives ``logprobs`` may ask for at each position (OpenAI's limit)."""
 MAX_LOGIT_BIAS = 1024
+MAX_ADAPTER_NAME_LEN = 128
 MAX_GRAMMAR_BYTES = 64 << 10
 """Largest JSON schema (as JSON text), regex or Lark grammar a ``response_format`` may carry."""
 
@@ -73,6 +77,7 @@ class ErrorCode:
     DEADLINE_EXCEEDED = "deadline_exceeded"  # the request's deadline passed
     TOO_MANY_ATTEMPTS = "too_many_attempts"  # delivered too often without finishing
     INVALID_GRAMMAR = "invalid_grammar"  # a response_format the grammar engine cannot compile
+    ADAPTER_UNAVAILABLE = "adapter_unavailable"  # an adapter the fleet does not know, or cannot load
     INTERNAL = "internal_error"  # a bug or device failure while running the request
     LOST = "lost"  # Redis lost part of the reply (restart without persistence, failover): readers say so
 

@@ -103,6 +103,12 @@ class Keys:
         return f"{self.tag}:dead"
 
     @property
+    def adapters(self) -> str:
+        """Hash of adapter name -> JSON record (``path`` on the workers' disks, ``base`` model): the
+        LoRA adapters this fleet serves, added at run time (``tokenfleet lora add``)."""
+        return f"{self.tag}:adapters"
+
+    @property
     def max_queue(self) -> str:
         """Hash of bucket -> most entries that may wait undelivered on its stream (backpressure)."""
         return f"{self.tag}:max_queue"

@@ -8,6 +8,7 @@ from functools import cached_property
 from typing import Any
 
 from tokenfleet.protocol.constants import (
+    ADAPTER_VERSION,
     DEFAULT_LANE,
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_REPLY_TTL_S,
@@ -49,6 +50,7 @@ class Request:
     enqueued_ms: int | None = None
     priority: str = DEFAULT_LANE  # one of LANES
     cache_key: str | None = None  # affinity: requests sharing it go to one shard (protocol.affinity)
+    adapter: str | None = None  # a LoRA adapter of the model, by the name the fleet knows it by
     v: int = PROTOCOL_VERSION
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -73,6 +75,12 @@ class Request:
         return self.processes_logits or self.logprobs is not None
 
     @property
+    def cache_salt(self) -> bytes:
+        """What its KV blocks are named under besides their tokens: a prefix computed under one
+        adapter is never found for another, or for the base model."""
+        return b"" if self.adapter is None else b"adapter:" + self.adapter.encode()
+
+    @property
     def lane(self) -> int:
         """The lane's rank: 0 is the highest."""
         return LANES.index(self.priority)
@@ -85,6 +93,8 @@ class Request:
         body = {k: v for k, v in values if v is not None and _CONTROL_DEFAULTS.get(k) != v}
         if self.uses_output_controls:
             body["v"] = max(self.v, OUTPUT_CONTROLS_VERSION)  # an older worker refuses, never ignores
+        if self.adapter is not None:
+            body["v"] = max(body["v"], ADAPTER_VERSION)  # never answered from the base by an older one
         if self.logit_bias:
             body["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
         if self.response_format is not None:

@@ -11,6 +11,7 @@ from tokenfleet.protocol.affinity import MAX_CACHE_KEY_LEN
 from tokenfleet.protocol.constants import (
     DEFAULT_MAX_NEW_TOKENS,
     LANES,
+    MAX_ADAPTER_NAME_LEN,
     MAX_ID_LEN,
     MAX_INPUT_IDS,
     MAX_LOGPROBS,
@@ -63,9 +64,16 @@ _KNOWN = {
     "ignore_eos",
     "priority",
     "cache_key",
+    "adapter",
 }
 
 _ID_RE = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_ID_LEN}}}")  # fullmatch: no newline slips past a "$"
+_ADAPTER_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:/\-]{{0,{MAX_ADAPTER_NAME_LEN - 1}}}")
+
+
+def valid_adapter_name(value: object) -> bool:
+    """Whether ``value`` is an adapter name as PROTOCOL.md defines it."""
+    return isinstance(value, str) and _ADAPTER_RE.fullmatch(value) is not None
 
 
 def valid_request_id(value: object) -> bool:
@@ -154,6 +162,13 @@ class _Fields:
             if not (isinstance(key, str) and 0 < len(key) <= MAX_CACHE_KEY_LEN):
                 raise self.bad(f"cache_key must be a string of 1-{MAX_CACHE_KEY_LEN} characters")
             kw["cache_key"] = key
+        if body.get("adapter") is not None:
+            if not valid_adapter_name(body["adapter"]):
+                raise self.bad(
+                    f"adapter must be a name of 1-{MAX_ADAPTER_NAME_LEN} characters from [A-Za-z0-9._:/-], "
+                    "starting with a letter or digit"
+                )
+            kw["adapter"] = body["adapter"]
         kw["extra"] = {k: v for k, v in body.items() if k not in _KNOWN}
         return Request(**kw)
 
