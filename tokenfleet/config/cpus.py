@@ -5,7 +5,7 @@ gets fewer when its affinity is narrower (``taskset``, a cpuset) or a CPU quota 
 (a container run with ``--cpus 1``, a Kubernetes CPU limit). An OpenMP team wider than that is
 throttled at every barrier: each thread waits for the slowest, and the slowest is the one the
 quota keeps off its core. So the worker's threads start at what it may use (and
-:mod:`tokenfleet.worker.thread_tuning` re-measures them while it serves, for neighbours).
+:mod:`tokenfleet.worker.tuning.threads` re-measures them while it serves, for neighbours).
 """
 
 from __future__ import annotations

@@ -84,6 +84,18 @@ class EngineConfig:
     paged_kernel: bool = setting(
         True, "CPU: attention in tokenfleet's C++ kernels (built once per machine); off: gather + SDPA."
     )
+    lora: tuple[tuple[str, str], ...] = setting(
+        (),
+        "LoRA adapters to serve, NAME=DIR (a PEFT directory), repeatable: registered with the fleet at "
+        "start and loaded at once; more can be added while serving (`tokenfleet lora add`).",
+        kind="adapters",
+    )
+    max_loras: int = setting(
+        4,
+        "Adapters resident at once; more are loaded as requests name them, the least recently used "
+        "evicted. 0: this worker serves no adapters.",
+    )
+    max_lora_rank: int = setting(64, "Highest LoRA rank an adapter may have here.")
     cuda_graphs: bool = setting(
         True,
         "CUDA (with Triton): decode captured as CUDA graphs at batch sizes 8, 16, 32, ... at start-up "
@@ -110,6 +122,12 @@ class EngineConfig:
             )
         if self.allocator not in ALLOCATORS:
             raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, got {self.allocator!r}")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(
+                f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras}, {self.max_lora_rank}"
+            )
+        if len({name for name, _ in self.lora}) != len(self.lora):
+            raise ValueError("lora: each adapter name may be given once")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads!r}")
 

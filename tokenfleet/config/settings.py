@@ -148,6 +148,20 @@ def parse_buckets(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
+def parse_adapters(value: str | list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """``NAME=DIR`` items (a list, or one string of them comma-separated) as (name, dir) pairs."""
+    items = [i for i in value.split(",")] if isinstance(value, str) else list(value)
+    pairs = []
+    for item in (i.strip() for i in items):
+        name, sep, directory = item.partition("=")
+        if not item:
+            continue
+        if not sep or not name.strip() or not directory.strip():
+            raise ValueError(f"an adapter is NAME=DIR, got {item!r}")
+        pairs.append((name.strip(), directory.strip()))
+    return tuple(pairs)
+
+
 def parse_size(text: str) -> int:
     """``"2GiB"``, ``"512MiB"``, ``"1000000"`` in bytes."""
     s = text.strip().lower().replace(" ", "")
@@ -166,6 +180,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "path": str,
     "buckets": parse_buckets,
     "size": parse_size,
+    "adapters": parse_adapters,
 }
 
 
@@ -176,6 +191,8 @@ def _typed(spec: Spec, value: Any) -> Any:
         return None
     if kind == "buckets" and isinstance(value, (list, tuple)):
         return parse_buckets(",".join(map(str, value)))
+    if kind == "adapters" and isinstance(value, (list, tuple)):
+        return parse_adapters([str(v) if isinstance(v, str) else "=".join(v) for v in value])
     if kind == "float" and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     expected = {"int": int, "float": float, "bool": bool, "size": int, "buckets": tuple}.get(kind, str)

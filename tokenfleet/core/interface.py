@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from tokenfleet.core.admission import Admission
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.protocol import Refusal, Request, TokenLogprob
+from tokenfleet.protocol.adapters import AdapterRecord
 
 
 @dataclass(frozen=True)
@@ -72,13 +73,14 @@ class StepOutput:
     preempted: list[SeqState] = field(default_factory=list)
     failed: list[tuple[SeqState, str]] = field(default_factory=list)
     batches: list[BatchEvent] = field(default_factory=list)
+    refused: list[tuple[SeqState, Refusal]] = field(default_factory=list)  # e.g. an adapter that cannot load
 
     @property
     def finished(self) -> list[SeqState]:
         return [t.seq for t in self.tokens if t.finished]
 
     def __bool__(self) -> bool:
-        return bool(self.tokens or self.batches)
+        return bool(self.tokens or self.batches or self.refused)
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class Capacity:
     kv_bytes_per_block: int = 0  # 0: not known (the backend does not say)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # ... of which it held the K/V
+    adapters: tuple[str, ...] = ()  # LoRA adapters resident
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -151,6 +154,11 @@ class EngineCore(Protocol):
     def abort(self, keys: Collection[Hashable]) -> list[SeqState]:
         """Remove the sequences with these keys wherever they are; returns those removed. No
         token of theirs comes out of a later step."""
+        ...
+
+    def preload(self, adapters: list[AdapterRecord]) -> None:
+        """Start loading these adapters now (a worker's ``--lora``): the first requests that name
+        them need not wait. A core that loads adapters on its own (vLLM's) may do nothing."""
         ...
 
     def step(self, flush: bool = False) -> StepOutput:

@@ -55,8 +55,8 @@ def run_offline(
             if on_token is not None:
                 on_token(out)
             left -= out.finished
-        failed.extend(output.failed)
-        left -= len(output.failed)  # a row that failed alone never finishes
+        failed += output.failed + [(seq, f"{r.code}: {r.message}") for seq, r in output.refused]
+        left -= len(output.failed) + len(output.refused)  # a row that failed alone never finishes
     return OfflineRun(clock() - start, failed)
 
 

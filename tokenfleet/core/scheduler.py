@@ -124,7 +124,8 @@ class Scheduler:
     def _to_compute(self, seq: SeqState) -> int:
         """Tokens a prefill of ``seq`` would compute now: those the cache does not hold."""
         tokens = seq.all_tokens
-        return len(tokens) - len(self.allocator.cached_prefix(tokens)) * self.allocator.block_size
+        cached = self.allocator.cached_prefix(tokens, seq.request.cache_salt)
+        return len(tokens) - len(cached) * self.allocator.block_size
 
     def _resumes_first(self) -> bool:
         """Whether the first preempted sequence goes before every new request (its lane ranks
@@ -148,7 +149,8 @@ class Scheduler:
         for it if that makes room."""
         alloc = self.allocator
         tokens = seq.all_tokens
-        if not alloc.can_allocate(tokens, reserve_blocks=len(self.running) + admitted_now):
+        salt = seq.request.cache_salt
+        if not alloc.can_allocate(tokens, reserve_blocks=len(self.running) + admitted_now, salt=salt):
             if self.config.mode != "continuous":
                 return None
             victims = victims_for(alloc, self.running, seq, admitted_now)
@@ -156,7 +158,7 @@ class Scheduler:
                 return None
             for victim in victims:
                 preempted.append(self._preempt(victim, "for a request of a higher lane"))
-        allocation = alloc.allocate(seq.key, tokens)
+        allocation = alloc.allocate(seq.key, tokens, salt)
         return None if allocation is None else allocation.cached_tokens
 
     def _started(self, chosen: list[Joiner]) -> list[Joiner]:

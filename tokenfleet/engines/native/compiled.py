@@ -4,9 +4,23 @@ prefill (one graph with dynamic sizes: its gain is the fused norms, rotary and a
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import time
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from tokenfleet.engines.native.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+def compile_steps(model: Any, device: torch.device, buckets: int, wanted: bool) -> tuple[Any, Any]:
+    """``model``'s base compiled for decode and for prefill where ``wanted``; else neither."""
+    if not wanted:
+        return None, None
+    return compile_decode(model.base_model, device, buckets), compile_prefill(model.base_model)
 
 
 def compile_decode(model: torch.nn.Module, device: torch.device, buckets: int) -> Any:
@@ -38,3 +52,27 @@ def keep_guards(entries: list[Any]) -> list[bool]:
     return [
         not e.orig_guard.source.is_unspecialized_nn_module() or e.guard_type == "ID_MATCH" for e in entries
     ]
+
+
+@torch.inference_mode()
+def warm_up(runner: ModelRunner) -> float:
+    """Compile prefill and every decode bucket before serving (through the runner's ``prefill``
+    and ``decode`` themselves, on throwaway sequences two blocks long, so the compiled code's
+    guards match real steps), and capture decode's CUDA graphs; returns the seconds it took."""
+    if runner.graphs is None and runner.compiled_decode is None:
+        return 0.0  # nothing to warm: no log line either
+    start = time.perf_counter()
+    if runner.graphs is not None:
+        log.info("capturing decode as CUDA graphs (once per worker start)")
+        runner.graphs.capture(lambda ids, pos, meta: runner.logits(runner.forward(ids, pos, meta)[:, -1]))
+    if runner.compiled_decode is None:
+        return time.perf_counter() - start
+    tokens = runner.block_size + 1  # two blocks each: blocks 2i and 2i+1, nothing else runs yet
+    pad = runner.pad_token_id
+    log.info("compiling prefill (once per worker start)")
+    runner.prefill([[0, 1], [2, 3]], [[pad] * tokens] * 2)
+    for rows in runner.decode_buckets:
+        log.info("compiling decode for batches up to %d (once per worker start)", rows)
+        n = min(rows, runner.num_blocks // 2)
+        runner.decode([[2 * i, 2 * i + 1] for i in range(n)], [tokens] * n, [pad] * n)
+    return time.perf_counter() - start

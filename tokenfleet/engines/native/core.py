@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Hashable
+from dataclasses import replace
 
 from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.core.admission import Limits
@@ -18,7 +19,10 @@ from tokenfleet.core.front import CoreFront
 from tokenfleet.core.interface import BatchEvent, Capacity, StepOutput
 from tokenfleet.core.scheduler import Scheduler
 from tokenfleet.core.sequence import SeqState
+from tokenfleet.engines.native.lora.gate import AdapterGate
 from tokenfleet.engines.native.types import PrefillResult, Runner
+from tokenfleet.protocol import Refusal
+from tokenfleet.protocol.adapters import AdapterRecord
 
 
 class NativeCore(CoreFront):
@@ -46,12 +50,27 @@ class NativeCore(CoreFront):
         super().__init__(facts, limits, batching, clock)
         self.runner = runner
         self.scheduler = Scheduler(self.batcher, batching, runner.kv, runner.num_blocks)
+        self.adapters = AdapterGate(runner.lora)
 
     # -- what it holds --------------------------------------------------------------------------
 
+    def add(self, seq: SeqState, arrived: float) -> Refusal | None:
+        """Queue ``seq``, or park it while its adapter loads; a :class:`Refusal` if it can never
+        run here."""
+        refusal = self.adapters.refusal(seq)
+        refusal = refusal or self.admission.check_tokens(len(seq.prompt_ids), seq.request.max_new_tokens)
+        if refusal is not None or self.adapters.park(seq, arrived):
+            return refusal
+        return super().add(seq, arrived)
+
+    def preload(self, adapters: list[AdapterRecord]) -> None:
+        if self.runner.lora is not None:
+            for record in adapters[: len(self.runner.lora.names)]:
+                self.runner.lora.load(record.name, record.path)
+
     def held(self) -> list[SeqState]:
-        """Every sequence this core holds: running, preempted and waiting."""
-        return [*self.running(), *self.waiting()]
+        """Every sequence this core holds: running, preempted, waiting and parked."""
+        return [*self.running(), *self.waiting(), *self.adapters.held()]
 
     def running(self) -> list[SeqState]:
         return [*self.scheduler.running, *self.scheduler.preempted]
@@ -59,41 +78,47 @@ class NativeCore(CoreFront):
     @property
     def num_waiting(self) -> int:
         """Read from Redis, not yet started (the no-hoarding bound applies to this)."""
-        return self.scheduler.num_waiting
+        return self.scheduler.num_waiting + len(self.adapters.held())
 
     def waiting_in(self, lane: int) -> int:
-        return self.batcher.waiting_in(lane) + self.scheduler.preempted.in_lane(lane)
+        scheduled = self.batcher.waiting_in(lane) + self.scheduler.preempted.in_lane(lane)
+        return scheduled + self.adapters.waiting_in(lane)
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.adapters.has_news
 
     def capacity(self) -> Capacity:
-        return self.scheduler.capacity(self.runner.bytes_per_block)
+        return replace(
+            self.scheduler.capacity(self.runner.bytes_per_block), adapters=self.adapters.resident()
+        )
 
     def check_idle(self) -> None:
         self.scheduler.check_idle()
 
     def close(self) -> None:
-        pass
+        if self.runner.lora is not None:
+            self.runner.lora.close()
 
     # -- stepping -------------------------------------------------------------------------------
 
     def step(self, flush: bool = False) -> StepOutput:
         """Run one forward pass if any is due; returns what it produced. ``flush`` starts waiting
         requests without waiting for their batch to be due (shutdown)."""
+        refused = self._open_adapters()
         scheduled = self.scheduler.schedule(flush)
         batch = scheduled.batch
         if batch is None:
-            return StepOutput(preempted=scheduled.preempted)
+            return StepOutput(preempted=scheduled.preempted, refused=refused)
         masks = self.runner.start_masks(batch.seqs)  # grammar masks fill while the model runs
+        slots = self.adapters.slots(batch.seqs)
         try:
             match batch:
                 case PrefillBatch():
-                    result = self.runner.prefill(batch.tables, batch.token_lists, batch.cached)
+                    result = self.runner.prefill(batch.tables, batch.token_lists, batch.cached, slots)
                     logits, event = result.logits, prefill_event(batch, result)
                 case DecodeBatch():
-                    logits = self.runner.decode(batch.tables, batch.lengths, batch.last_tokens)
+                    logits = self.runner.decode(batch.tables, batch.lengths, batch.last_tokens, slots)
                     event = BatchEvent("decode", len(batch.seqs))
         except BaseException:
             self.scheduler.failed_to_run()
@@ -101,12 +126,23 @@ class NativeCore(CoreFront):
         self.scheduler.ran()
         chosen = self.runner.choose_tokens(logits, batch.seqs, masks)
         advanced = self.scheduler.postprocess(batch, chosen.tokens, chosen.logprobs)
-        return StepOutput(advanced.tokens, scheduled.preempted, advanced.failed, [event])
+        return StepOutput(advanced.tokens, scheduled.preempted, advanced.failed, [event], refused)
+
+    def _open_adapters(self) -> list[tuple[SeqState, Refusal]]:
+        """Queue the parked sequences whose adapter is now resident; their refusals where it
+        cannot load."""
+        in_use = {s.request.adapter for s in self.held() if s.request.adapter is not None}
+        opened = self.adapters.open(in_use)
+        for seq, arrived in opened.ready:
+            refusal = super().add(seq, arrived)
+            if refusal is not None:
+                opened.refused.append((seq, refusal))
+        return opened.refused
 
     def abort(self, keys: Collection[Hashable]) -> list[SeqState]:
-        """Remove these sequences wherever they are (running, preempted, waiting), freeing their
-        blocks; used for cancellation, deadlines and failed steps."""
-        return self.scheduler.abort(keys)
+        """Remove these sequences wherever they are (running, preempted, waiting, parked), freeing
+        their blocks; used for cancellation, deadlines and failed steps."""
+        return self.scheduler.abort(keys) + self.adapters.drop(keys)
 
 
 def prefill_event(batch: PrefillBatch, result: PrefillResult) -> BatchEvent:

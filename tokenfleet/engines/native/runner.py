@@ -8,7 +8,6 @@ block tables and token lists, and get next-token logits back.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 
 import torch
@@ -20,14 +19,16 @@ from tokenfleet.core.vocab import eos_token_ids
 from tokenfleet.engines.native.attention import paged as attention
 from tokenfleet.engines.native.attention import triton_paged
 from tokenfleet.engines.native.attention.paged import CURRENT_STEP
-from tokenfleet.engines.native.attention.step_inputs import Uploader, decode_step, prefill_step
-from tokenfleet.engines.native.compiled import compile_decode, compile_prefill
+from tokenfleet.engines.native.attention.step_inputs import Uploader, decode_step, padded_tables, prefill_step
+from tokenfleet.engines.native.compiled import compile_steps, warm_up
 from tokenfleet.engines.native.cuda_graphs import DecodeGraphs
 from tokenfleet.engines.native.decoder import lean_decoder
 from tokenfleet.engines.native.device import select_device, select_dtype
 from tokenfleet.engines.native.kernels.loader import load_kernels
 from tokenfleet.engines.native.linear.routes import linear_route, pack_for_route
 from tokenfleet.engines.native.loading import ModelShape, finish_logits, kv_pool, load_model
+from tokenfleet.engines.native.lora.linear import adaptable_linears
+from tokenfleet.engines.native.lora.pool import attach_lora
 from tokenfleet.engines.native.probe import check_runner, probe_tokens, take_reference
 from tokenfleet.engines.native.sampling.grammar_masks import GrammarMasks, PendingMasks
 from tokenfleet.engines.native.sampling.logits_process import choose_controlled
@@ -83,17 +84,25 @@ class ModelRunner:
         self.use_triton = self.device.type == "cuda" and not variants and triton_paged.available()
         graphed = engine.cuda_graphs and self.use_triton
         self.graphs = self._decode_graphs(batching.max_seq_len) if graphed else None
+        # LoRA adapters in eager steps (read the linears before the lean forward fuses them)
+        adapters = engine.max_loras > 0 and not engine.compile
+        linears = adaptable_linears(self.model) if adapters else {}
         # eager CPU steps run the lean forward where the architecture allows (compiled ones fuse themselves)
         self.lean = lean_decoder(self.model) if self.use_kernel and not engine.compile else None
         route = linear_route(
             self.device, self.dtype, self.model, engine.bf16_linear, engine.onednn_linear, engine.f32_linear
         )
         pack_for_route(self.model, route, self.dtype)
-        compiled = engine.compile
-        base = self.model.base_model
-        self._compiled = compile_decode(base, self.device, len(self.decode_buckets)) if compiled else None
-        self._compiled_prefill = compile_prefill(base) if compiled else None
-        self.pad_decode_batches = compiled  # to decode_buckets; eager steps can pad too (tests do)
+        self.lora = (
+            attach_lora(self.model, linears, engine.max_loras, engine.max_lora_rank, self.dtype)
+            if adapters
+            else None
+        )
+        buckets = len(self.decode_buckets)
+        self.compiled_decode, self.compiled_prefill = compile_steps(
+            self.model, self.device, buckets, engine.compile
+        )
+        self.pad_decode_batches = engine.compile  # to decode_buckets; eager steps can pad too (tests do)
         self.eos_token_ids = eos_token_ids(
             getattr(self.model, "generation_config", None), self.model.config, self.tokenizer
         )
@@ -136,7 +145,7 @@ class ModelRunner:
 
     # -- forward passes -------------------------------------------------------------------------
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.finish_logits(self.model.get_output_embeddings()(hidden)).float()
 
     @torch.inference_mode()
@@ -145,19 +154,25 @@ class ModelRunner:
         tables: Sequence[list[int]],
         token_lists: Sequence[Sequence[int]],
         cached: Sequence[int] | None = None,
+        slots: Sequence[int] | None = None,
     ) -> PrefillResult:
         """Run sequences (``tables``: each one's blocks, enough for every token) whose first
         ``cached[b]`` tokens the pool holds already (a cached prefix; default none) and whose
         other tokens are ``token_lists[b]``: those are packed without padding into forwards of at
         most :data:`PREFILL_CHUNK_TOKENS`, their K/V written into the pool, attending to the cached
-        ones in place. Returns next-token logits ``[B, vocab]`` (float32) in the order given, with
-        the tokens the forwards computed (padding included). Rows go into forwards in order, so a
-        row that reads blocks an earlier row of the same call fills finds them written."""
+        ones in place; ``slots``: each row's adapter slot (-1: the base model). Returns next-token
+        logits ``[B, vocab]`` (float32) in the order given, with the tokens the forwards computed
+        (padding included). Rows go into forwards in order, so a row that reads blocks an earlier
+        row of the same call fills finds them written."""
         cached = list(cached) if cached is not None else [0] * len(token_lists)
+        slots = list(slots) if slots is not None else [-1] * len(token_lists)
         chunks = prefill_forwards([len(t) for t in token_lists], PREFILL_CHUNK_TOKENS)
         parts = [
             self._prefill_packed(
-                [tables[i] for i in rows], [token_lists[i] for i in rows], [cached[i] for i in rows]
+                [tables[i] for i in rows],
+                [token_lists[i] for i in rows],
+                [cached[i] for i in rows],
+                [slots[i] for i in rows],
             )
             for rows in chunks
         ]
@@ -165,7 +180,11 @@ class ModelRunner:
         return PrefillResult(logits, computed_tokens=sum(p[1] for p in parts), forwards=len(chunks))
 
     def _prefill_packed(
-        self, tables: Sequence[list[int]], token_lists: Sequence[Sequence[int]], cached: list[int]
+        self,
+        tables: Sequence[list[int]],
+        token_lists: Sequence[Sequence[int]],
+        cached: list[int],
+        slots: list[int],
     ) -> tuple[torch.Tensor, int]:
         """One forward over the prompts' uncached tokens laid end to end (``[1, N]``); attention
         unpacks them to one row per prompt, each attending causally to its own tokens, cached
@@ -175,7 +194,7 @@ class ModelRunner:
         pad = prefill_padded_size(real) - real if self.pad_prefill else 0
         lengths = torch.tensor([len(t) for t in token_lists] + ([pad] if pad else []))
         rows, width = len(lengths), int(lengths.max())
-        table = self._block_tables(tables, min_width=-(-pad // self.block_size))
+        table = padded_tables(tables, self.scratch_block, min_width=-(-pad // self.block_size))
         if pad:
             table = torch.cat([table, torch.full((1, table.shape[1]), self.scratch_block)])
         packed = [t for tokens in token_lists for t in tokens] + [self.pad_token_id] * pad
@@ -183,32 +202,38 @@ class ModelRunner:
         ids, positions, last, meta = prefill_step(
             self.store, self.upload, table, lengths, torch.tensor(packed), self.use_prefill_kernel, context
         )
-        compiled = self._compiled_prefill is not None and rows >= 2 and width >= 2  # 0/1: specialised
-        hidden = self._forward(ids, positions, meta, compiled and context is None)
-        return self._logits(hidden[0, last[: len(token_lists)]]), real + pad
-
-    def _block_tables(self, tables: Sequence[list[int]], min_width: int = 1) -> torch.Tensor:
-        width = max(min_width, max(len(t) for t in tables))
-        return torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in tables], dtype=torch.long)
+        compiled = self.compiled_prefill is not None and rows >= 2 and width >= 2  # 0/1: specialised
+        adapters = (
+            torch.tensor(slots + [-1] * bool(pad)).repeat_interleave(lengths)
+            if any(s >= 0 for s in slots)
+            else None
+        )
+        hidden = self.forward(ids, positions, meta, compiled and context is None, adapters)
+        return self.logits(hidden[0, last[: len(token_lists)]]), real + pad
 
     @torch.inference_mode()
     def decode(
-        self, block_tables: Sequence[list[int]], lengths: Sequence[int], last_tokens: Sequence[int]
+        self,
+        block_tables: Sequence[list[int]],
+        lengths: Sequence[int],
+        last_tokens: Sequence[int],
+        slots: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """One step for sequences whose newest token is not yet in the cache (``lengths`` count
-        it, its slot already in the table); returns next-token logits ``[B, vocab]`` (float32)."""
+        it, its slot already in the table; ``slots``: each row's adapter slot, -1 none); returns
+        next-token logits ``[B, vocab]`` (float32)."""
         batch = len(block_tables)
-        if self.graphs is not None and self.graphs.captured:
-            graphed = self.graphs.run(
-                self._block_tables(block_tables), torch.tensor(list(lengths)), torch.tensor(last_tokens)
-            )
+        adapted = slots is not None and any(s >= 0 for s in slots)
+        if self.graphs is not None and self.graphs.captured and not adapted:
+            tables = padded_tables(block_tables, self.scratch_block)
+            graphed = self.graphs.run(tables, torch.tensor(list(lengths)), torch.tensor(last_tokens))
             if graphed is not None:
                 return graphed
         padded = self.pad_decode_batches and batch <= self.decode_buckets[-1]
-        compiled = padded and self._compiled is not None
+        compiled = padded and self.compiled_decode is not None
         rows = next(b for b in self.decode_buckets if b >= batch) if padded else batch
         # a table at least two blocks wide: a width of 1 would be specialised by the compiler
-        tables = self._block_tables(block_tables, min_width=2 if padded else 1)
+        tables = padded_tables(block_tables, self.scratch_block, min_width=2 if padded else 1)
         stored = torch.tensor(list(lengths), dtype=torch.long)
         tokens = torch.tensor(last_tokens, dtype=torch.long)
         pad = rows - batch
@@ -219,23 +244,41 @@ class ModelRunner:
         ids, positions, meta = decode_step(
             self.store, self.upload, tables, stored, tokens, self.use_kernel, self.use_triton
         )
-        hidden = self._forward(ids, positions, meta, compiled)
-        return self._logits(hidden[:batch, -1])
+        adapters = torch.tensor(list(slots or []) + [-1] * pad) if adapted else None
+        hidden = self.forward(ids, positions, meta, compiled, adapters)
+        return self.logits(hidden[:batch, -1])
 
-    def _forward(
+    def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         meta: attention.StepMetadata,
         compiled: bool = False,
+        adapters: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The model's last hidden states; ``adapters``: each token row's adapter slot."""
+        if self.lora is not None:
+            self.lora.step.rows = adapters  # read by the adapted linears during this forward
+        try:
+            return self._hidden(input_ids, position_ids, meta, compiled)
+        finally:
+            if self.lora is not None:
+                self.lora.step.rows = None
+
+    def _hidden(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        meta: attention.StepMetadata,
+        compiled: bool,
     ) -> torch.Tensor:
         if self.lean is not None:
             return self.lean(input_ids, position_ids, meta)
         model = self.model.base_model
         if compiled and meta.is_prefill:
-            model = self._compiled_prefill
+            model = self.compiled_prefill
         elif compiled:
-            model = self._compiled
+            model = self.compiled_decode
             if meta.block_tables is not None:
                 torch._dynamo.mark_dynamic(meta.block_tables, 1)  # context grows: no recompile per block
                 if meta.mask is not None:
@@ -247,24 +290,6 @@ class ModelRunner:
             CURRENT_STEP.reset(token)
         return out.last_hidden_state
 
-    @torch.inference_mode()
     def warm_up(self) -> float:
-        """Compile prefill and every decode bucket before serving (through :meth:`prefill` and
-        :meth:`decode` themselves, on throwaway sequences two blocks long, so the compiled code's
-        guards match real steps), and capture decode's CUDA graphs; returns the seconds it took."""
-        if self.graphs is None and self._compiled is None:
-            return 0.0  # nothing to warm: no log line either
-        start = time.perf_counter()
-        if self.graphs is not None:
-            log.info("capturing decode as CUDA graphs (once per worker start)")
-            self.graphs.capture(lambda ids, pos, meta: self._logits(self._forward(ids, pos, meta)[:, -1]))
-        if self._compiled is None:
-            return time.perf_counter() - start
-        tokens = self.block_size + 1  # two blocks each: blocks 2i and 2i+1, nothing else runs yet
-        log.info("compiling prefill (once per worker start)")
-        self.prefill([[0, 1], [2, 3]], [[self.pad_token_id] * tokens] * 2)
-        for rows in self.decode_buckets:
-            log.info("compiling decode for batches up to %d (once per worker start)", rows)
-            n = min(rows, self.num_blocks // 2)
-            self.decode([[2 * i, 2 * i + 1] for i in range(n)], [tokens] * n, [self.pad_token_id] * n)
-        return time.perf_counter() - start
+        """Compile and capture before serving (:func:`~tokenfleet.engines.native.compiled.warm_up`)."""
+        return warm_up(self)

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from tokenfleet.config import KVCacheConfig
 from tokenfleet.core.interface import ModelFacts
 from tokenfleet.core.sequence import SeqState
+from tokenfleet.engines.native.lora.pool import LoraPool
 from tokenfleet.protocol import TokenLogprob
 
 
@@ -38,14 +39,21 @@ class Runner(Protocol):
     kv: KVCacheConfig
     num_blocks: int
     bytes_per_block: int
+    lora: LoraPool | None  # the adapters it holds (None: it serves none)
 
     def facts(self) -> ModelFacts: ...
 
     def prefill(
-        self, tables: list[list[int]], token_lists: list[list[int]], cached: list[int]
+        self,
+        tables: list[list[int]],
+        token_lists: list[list[int]],
+        cached: list[int],
+        slots: list[int] | None,
     ) -> PrefillResult: ...
 
-    def decode(self, tables: list[list[int]], lengths: list[int], last_tokens: list[int]) -> Any: ...
+    def decode(
+        self, tables: list[list[int]], lengths: list[int], last_tokens: list[int], slots: list[int] | None
+    ) -> Any: ...
 
     def start_masks(self, seqs: list[SeqState]) -> Any: ...
 

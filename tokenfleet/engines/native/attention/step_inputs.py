@@ -53,6 +53,13 @@ class Uploader:
         return [part.view(t.shape) for part, t in zip(dev.split(sizes), tensors)]
 
 
+def padded_tables(tables: Sequence[list[int]], scratch_block: int, min_width: int = 1) -> torch.Tensor:
+    """Block tables ``[B, width]``, each row padded with the scratch block to the widest (at least
+    ``min_width``)."""
+    width = max(min_width, max(len(t) for t in tables))
+    return torch.tensor([t + [scratch_block] * (width - len(t)) for t in tables], dtype=torch.long)
+
+
 def write_places(
     blocks: torch.Tensor, offsets: torch.Tensor, block_size: int, use_kernel: bool
 ) -> list[torch.Tensor]:

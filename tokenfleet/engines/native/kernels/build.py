@@ -39,6 +39,7 @@ SOURCES = [
     CSRC / "linear_f32_cpu.cpp",
     CSRC / "layer_ops_cpu.cpp",
     CSRC / "token_mask_cpu.cpp",
+    CSRC / "lora_cpu.cpp",
 ]
 HEADERS = [CSRC / "common.h", CSRC / "linear_tasks.h"]
 CFLAGS = [

@@ -27,60 +27,6 @@ namespace {
 
 constexpr int64_t PARALLEL_MIN_ELEMENTS = 1 << 14;  // below, a thread team costs more than it saves
 
-// Rounds a float as a cast to T does (bf16: to nearest even; NaN stays NaN), back as a float.
-template <typename T>
-inline float round_as(float x) {
-  return x;
-}
-template <>
-inline float round_as<c10::BFloat16>(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
-  bits = nan ? 0x7fc00000u : (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
-
-template <typename T>
-inline T store_as(float rounded) {  // ``rounded`` is already representable: the cast is exact
-  return static_cast<T>(rounded);
-}
-template <>
-inline c10::BFloat16 store_as<c10::BFloat16>(float rounded) {
-  uint32_t bits;
-  std::memcpy(&bits, &rounded, sizeof bits);
-  return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
-}
-
-// The same on registers of W values (loaded from, and stored to, T).
-typedef uint32_t uvec __attribute__((vector_size(TOKENFLEET_VEC_BYTES)));
-typedef uint16_t hvec __attribute__((vector_size(TOKENFLEET_VEC_BYTES / 2), aligned(2)));
-
-template <typename T>
-inline vec round_vec(vec x) {
-  return x;
-}
-template <>
-inline vec round_vec<c10::BFloat16>(vec x) {
-  const uvec bits = reinterpret_cast<const uvec&>(x);
-  const uvec nan = (bits & 0x7fffffffu) > 0x7f800000u;  // all ones where NaN
-  const uvec rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-  const uvec out = (nan & 0x7fc00000u) | (~nan & rounded);
-  return reinterpret_cast<const vec&>(out);
-}
-
-inline vec load_vec(const float* p) { return load(p); }
-inline vec load_vec(const c10::BFloat16* p) {
-  const uvec bits = __builtin_convertvector(*reinterpret_cast<const hvec*>(p), uvec) << 16;
-  return reinterpret_cast<const vec&>(bits);
-}
-inline void store_vec(float* p, vec rounded) { store(p, rounded); }
-inline void store_vec(c10::BFloat16* p, vec rounded) {  // ``rounded``: bf16 values, the low halves zero
-  *reinterpret_cast<hvec*>(p) = __builtin_convertvector(reinterpret_cast<const uvec&>(rounded) >> 16, hvec);
-}
-
 // A product kept apart from the sum it feeds: no fused multiply-add skips its rounding.
 inline vec kept(vec x) {
   asm("" : "+v"(x));

@@ -1,0 +1,147 @@
+"""The adapters a worker holds: a fixed number of slots (``--max-loras``), filled from local PEFT
+directories on a thread beside the step loop (reading and checking a file never stalls a step),
+installed between steps, least recently used evicted when a slot is needed and no sequence held
+uses it. Which slot each step's rows use goes to the adapted linears through :class:`LoraStep`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenfleet.engines.native.lora.adapter import Adapter, AdapterError, load_adapter
+from tokenfleet.engines.native.lora.linear import LoraStep, SlotWeights
+
+log = logging.getLogger(__name__)
+
+RETRY_FAILED_S = 10.0  # an adapter that failed to load is not read again for this long
+
+
+@dataclass
+class PoolNews:
+    """What changed since the last look: adapters now resident, and those that cannot load (why)."""
+
+    loaded: list[str] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+
+
+class LoraPool:
+    def __init__(
+        self,
+        slots: int,
+        max_rank: int,
+        linears: dict[str, tuple[int, int]],
+        dtype: torch.dtype,
+        step: LoraStep,
+    ):
+        self.max_rank, self.linears, self.dtype, self.step = max_rank, linears, dtype, step
+        self.names: list[str | None] = [None] * slots  # the adapter in each slot
+        self._used: OrderedDict[str, None] = OrderedDict()  # resident adapters, least recently used first
+        self._loading: dict[str, Future[Adapter]] = {}
+        self._ready: dict[str, Adapter] = {}  # loaded, waiting for a free slot
+        self._failed: dict[str, tuple[float, str]] = {}  # when and why a load last failed
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="tokenfleet-lora-load")
+        for name in linears:
+            step.weights[name] = SlotWeights.empty(slots, dtype)
+
+    def slot_of(self, name: str) -> int | None:
+        """The slot holding ``name``, if resident (and it becomes the most recently used)."""
+        if name not in self._used:
+            return None
+        self._used.move_to_end(name)
+        return self.names.index(name)
+
+    def resident(self) -> list[str]:
+        return list(self._used)
+
+    def load(self, name: str, path: str) -> None:
+        """Start reading ``name`` from ``path`` unless it is resident or on its way (or failed a
+        moment ago: its requests then fail at once, without reading the files again)."""
+        if name in self._used or name in self._loading or name in self._ready:
+            return
+        failed = self._failed.get(name)
+        if failed is not None and time.monotonic() - failed[0] < RETRY_FAILED_S:
+            done: Future[Adapter] = Future()
+            done.set_exception(AdapterError(failed[1]))
+            self._loading[name] = done
+            return
+        log.info("loading adapter %s from %s", name, path)
+        self._loading[name] = self._loader.submit(
+            load_adapter, name, path, self.linears, self.max_rank, self.dtype
+        )
+
+    @property
+    def has_news(self) -> bool:
+        """A load has finished (installing it is due), or one waits for a slot."""
+        return bool(self._ready) or any(f.done() for f in self._loading.values())
+
+    def poll(self, in_use: set[str]) -> PoolNews:
+        """Install finished loads, evicting the least recently used adapters that no sequence in
+        ``in_use`` names; loads that failed are reported with why."""
+        news = PoolNews()
+        for name, future in list(self._loading.items()):
+            if not future.done():
+                continue
+            del self._loading[name]
+            try:
+                self._ready[name] = future.result()
+            except Exception as e:  # a bad or odd file: the adapter's requests fail, never the worker
+                why = str(e) if isinstance(e, AdapterError) else f"{type(e).__name__}: {e}"
+                news.failed.append((name, why))
+                self._failed[name] = (time.monotonic(), why)
+        for name in list(self._ready):
+            slot = self._free_slot(in_use)
+            if slot is None:
+                break  # every slot holds an adapter in use: it waits for one to finish
+            self._install(slot, self._ready.pop(name))
+            news.loaded.append(name)
+        return news
+
+    def _free_slot(self, in_use: set[str]) -> int | None:
+        if None in self.names:
+            return self.names.index(None)
+        victim = next((n for n in self._used if n not in in_use), None)
+        if victim is None:
+            return None
+        slot = self.names.index(victim)
+        log.info("evicting adapter %s (least recently used) from slot %d", victim, slot)
+        del self._used[victim]
+        for weights in self.step.weights.values():
+            weights.shrink[slot] = weights.expand[slot] = torch.empty(0, 0, dtype=self.dtype)
+            weights.scale[slot] = 0.0
+        self.names[slot] = None
+        return slot
+
+    def _install(self, slot: int, adapter: Adapter) -> None:
+        started = time.perf_counter()
+        for module, delta in adapter.deltas.items():
+            weights = self.step.weights[module]
+            weights.shrink[slot], weights.expand[slot] = delta.shrink, delta.expand
+            weights.scale[slot] = delta.scale
+        self.names[slot] = adapter.name
+        self._used[adapter.name] = None
+        ranks = sorted({d.rank for d in adapter.deltas.values()})
+        log.info(
+            "adapter %s in slot %d: %d linears, rank %s, %.1f MiB (installed in %.1f ms)",
+            *(adapter.name, slot, len(adapter.deltas), "/".join(map(str, ranks)), adapter.nbytes / 2**20),
+            (time.perf_counter() - started) * 1000,
+        )
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=False, cancel_futures=True)
+
+
+def attach_lora(
+    model: object, linears: dict[str, tuple[int, int]], slots: int, max_rank: int, dtype: torch.dtype
+) -> LoraPool:
+    """Wrap the model's adaptable ``linears`` (read before any fusing) and return the pool that
+    fills their slots."""
+    from tokenfleet.engines.native.lora.linear import wrap_linears
+
+    step = LoraStep()
+    wrap_linears(model, linears, step)
+    return LoraPool(slots, max_rank, linears, dtype, step)
