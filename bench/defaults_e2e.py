@@ -18,6 +18,7 @@ import asyncio
 import os
 import threading
 import time
+from collections.abc import Sequence
 
 from bench.common import worker_process
 from bench.rows_tokenfleet import CpuCounters, drive_clients
@@ -47,10 +48,15 @@ def run_defaults(model_dir: str, dtype: str, reqs: list[Req], client: str) -> di
 
 
 def drive_threads(
-    url: str, model_dir: str, prefix: str, reqs: list[Req], counters: CpuCounters
+    url: str,
+    model_dir: str,
+    prefix: str,
+    reqs: list[Req],
+    counters: CpuCounters,
+    adapters: Sequence[str | None] = (),
 ) -> tuple[list[Trace], float]:
     """Each request on a thread of its own through one shared sync client, submitted at its
-    arrival time and streamed token by token."""
+    arrival time and streamed token by token (``adapters``: each request's, where given)."""
     from tokenfleet.producer import Client
 
     traces = [Trace(0.0) for _ in reqs]
@@ -64,8 +70,9 @@ def drive_threads(
             req, trace = reqs[i], traces[i]
             time.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
             trace.arrival = time.perf_counter()
+            adapter = adapters[i] if adapters else None
             handle = client.submit(
-                input_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens, ignore_eos=True
+                input_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens, ignore_eos=True, adapter=adapter
             )
             for chunk in handle.stream(timeout=600):
                 now = time.perf_counter()

@@ -1,7 +1,8 @@
 """Run a bench.compare workload through vLLM's offline engine; runs inside vLLM's own virtualenv.
 
 Reads the workload as JSON on stdin ({"model", "dtype", "max_batch_size", "max_seq_len",
-"requests": [{"prompt_ids", "max_new_tokens", "arrival_s"}]}, or "chat": {"system", "users",
+"requests": [{"prompt_ids", "max_new_tokens", "arrival_s", optional "adapter"}], optional
+"loras": {name: directory, ...} with "max_lora_rank"}, or "chat": {"system", "users",
 "new_tokens"} for bench.chat's turns) and writes the results as JSON to the path given as the only
 argument (vLLM logs to stdout). Arrivals are honoured by adding
 requests to the engine when their time comes (poisson); fixed and mixed arrive at once.
@@ -29,14 +30,18 @@ def main() -> None:
             seed=0,
             # the default (0.92 of RAM) refuses to start on a machine where anything else runs
             gpu_memory_utilization=spec.get("memory_utilization", 0.5),
+            **lora_args(spec),
         )
     )
+    loras = lora_requests(spec)
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
     # warm up: one short request, so one-time setup is not timed
     engine.add_request("warmup", {"prompt_token_ids": [3, 4, 5]}, params(2))
+    for name, lora in loras.items():  # every adapter loaded before the clock starts
+        engine.add_request(f"warmup-{name}", {"prompt_token_ids": [3, 4, 5]}, params(2), lora_request=lora)
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -58,7 +63,10 @@ def main() -> None:
             rid = str(nxt)
             submitted_at[rid] = start + r["arrival_s"]
             token_times[rid] = []
-            engine.add_request(rid, {"prompt_token_ids": r["prompt_ids"]}, params(r["max_new_tokens"]))
+            lora = loras.get(r.get("adapter"))
+            engine.add_request(
+                rid, {"prompt_token_ids": r["prompt_ids"]}, params(r["max_new_tokens"]), lora_request=lora
+            )
             nxt += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, requests[nxt]["arrival_s"] - (time.perf_counter() - start)))
@@ -82,6 +90,22 @@ def main() -> None:
                 }
             )
         )
+
+
+def lora_args(spec: dict) -> dict:
+    """vLLM's LoRA settings where the workload names adapters: every one resident at once."""
+    if not spec.get("loras"):
+        return {}
+    return {"enable_lora": True, "max_loras": len(spec["loras"]), "max_lora_rank": spec["max_lora_rank"]}
+
+
+def lora_requests(spec: dict) -> dict:
+    """A ``LoRARequest`` per adapter the workload names (warmed by the first request using it)."""
+    if not spec.get("loras"):
+        return {}
+    from vllm.lora.request import LoRARequest
+
+    return {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(spec["loras"].items())}
 
 
 def run_chat(engine, chat: dict, params) -> list[dict]:

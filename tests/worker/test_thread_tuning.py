@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from tokenfleet.worker.thread_tuning import PROBE_EVERY_S, RETRY_FEWER_S, STEPS, RunQueueWait, ThreadTuner
+from tokenfleet.worker.tuning.threads import PROBE_EVERY_S, RETRY_FEWER_S, STEPS, RunQueueWait, ThreadTuner
 
 
 class Host:

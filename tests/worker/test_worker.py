@@ -15,7 +15,7 @@ from conftest import assert_one_terminal, reply_events
 from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.producer import AsyncClient, Client
 from tokenfleet.protocol import GROUP, Keys, smallest_bucket
-from tokenfleet.worker.loop import IDLE_BLOCK_MS
+from tokenfleet.worker.reading import IDLE_BLOCK_MS
 
 WORDS = [
     "alpha",

@@ -17,6 +17,7 @@ from tokenfleet.core.sequence import SeqState
 from tokenfleet.core.vocab import render_chat
 from tokenfleet.protocol import LANES, ErrorCode, FinishReason, Keys, Refusal, Request
 from tokenfleet.protocol.affinity import shard_of
+from tokenfleet.transport.adapters import AdapterRegistry
 from tokenfleet.transport.intake import Entry, Incoming
 from tokenfleet.transport.outbox import Outbox
 from tokenfleet.transport.ownership import take_ownership
@@ -42,6 +43,8 @@ class Admitter:
         publisher: Publisher,
         fleet: FleetBuckets,
         queue_timeout_s: float | None,
+        adapters: AdapterRegistry,
+        served_model: str,
     ):
         self.client = client
         self.keys = keys
@@ -50,6 +53,7 @@ class Admitter:
         self.publisher = publisher
         self.fleet = fleet
         self.queue_timeout_s = queue_timeout_s
+        self.adapters, self.served_model = adapters, served_model
         self.auto_streams = {keys.auto_stream_of(lane) for lane in LANES}
 
     def take(self, incoming: Incoming) -> None:
@@ -121,7 +125,16 @@ class Admitter:
             eos_ids=facts.eos_token_ids,
             enqueued_wall=_enqueued_wall(entry, request),
             matcher=matcher,
+            adapter_path=self._adapter_path(request.adapter),
         )
+
+    def _adapter_path(self, name: str | None) -> str | None:
+        """Where the fleet says adapter ``name`` lies, if it knows it for this worker's model
+        (the core refuses the request otherwise)."""
+        record = None if name is None else self.adapters.get(name)
+        if record is None or record.base not in (None, self.served_model):
+            return None
+        return record.path
 
     def _tokens(self, request: Request, largest_bucket: int | None = None) -> list[int] | Refusal:
         admission = self.core.admission

@@ -23,7 +23,9 @@ from tokenfleet.config import WorkerConfig
 from tokenfleet.core.interface import EngineCore
 from tokenfleet.engines import build_core
 from tokenfleet.protocol import ErrorCode, Keys
+from tokenfleet.protocol.adapters import AdapterRecord
 from tokenfleet.ratelog import RateLimitedLog
+from tokenfleet.transport.adapters import AdapterRegistry
 from tokenfleet.transport.cancels import CancelFeed
 from tokenfleet.transport.intake import StreamReader, decode
 from tokenfleet.transport.outbox import Outbox, is_out_of_memory
@@ -31,21 +33,20 @@ from tokenfleet.transport.reclaim import Reclaimer
 from tokenfleet.transport.registry import Registry
 from tokenfleet.transport.round_trip import Received, RoundTrip
 from tokenfleet.transport.server.connection import BACKOFF_MAX_S, BACKOFF_START_S, connect_with_retry
+from tokenfleet.worker import reading
 from tokenfleet.worker.admit import Admitter
 from tokenfleet.worker.metrics import WorkerMetrics
-from tokenfleet.worker.policy import Plan, TurnPolicy, read_budget
+from tokenfleet.worker.policy import Plan, TurnPolicy
 from tokenfleet.worker.publisher import Publisher
 from tokenfleet.worker.stepper import Stepper
 from tokenfleet.worker.stops import enforce_stops
-from tokenfleet.worker.thread_tuning import RunQueueWait, ThreadTuner
 from tokenfleet.worker.timing import TimeSpent
+from tokenfleet.worker.tuning.threads import RunQueueWait, ThreadTuner
+from tokenfleet.worker.tuning.wait import WaitTuning
 from tokenfleet.worker.upkeep import FleetBuckets, Upkeep
-from tokenfleet.worker.wait_tuning import WaitTuning
 
 log = logging.getLogger(__name__)
 
-IDLE_BLOCK_MS = 500  # longest blocking read, so that a stop request is noticed promptly
-FORMING_POLL_MS = 5  # while a batch waits for max_wait_ms: look for more requests this often
 OOM_RETRY_S = 0.5  # a full Redis answers at once: retrying often costs nothing, and resumes soonest
 OOM_HELD = f"redis is out of memory (maxmemory): holding %d requests, trying again every {OOM_RETRY_S} s"
 
@@ -88,8 +89,17 @@ class Worker:
         self.publisher = Publisher(self.outbox, self.metrics, self.name, config.streaming.stream_interval_ms)
         self.registry = Registry(self.client, keys, self.name)
         fleet = FleetBuckets(self.registry, buckets)
+        self.adapters = AdapterRegistry(self.client, keys)
         self.admitter = Admitter(
-            self.client, keys, self.core, self.outbox, self.publisher, fleet, reliability.queue_timeout_s
+            self.client,
+            keys,
+            self.core,
+            self.outbox,
+            self.publisher,
+            fleet,
+            reliability.queue_timeout_s,
+            self.adapters,
+            config.engine.served_name,
         )
         self.tuning = WaitTuning(config.batching, self.core, self.metrics)  # --ttft-target-ms
         self.upkeep = Upkeep(
@@ -137,6 +147,7 @@ class Worker:
         reliability = self.config.reliability
         limits = {"interactive": reliability.max_queue, "batch": reliability.batch_max_queue}
         self.registry.announce(self.config.batching.buckets, limits)
+        self._register_adapters()
         self.upkeep.heartbeat(force=True)
         self.upkeep.assign_shards()
         self.cancels.start()
@@ -155,6 +166,14 @@ class Worker:
             b.max_batch_size,
             b.max_wait_ms,
         )
+
+    def _register_adapters(self) -> None:
+        """``--lora`` adapters into the fleet's registry (for the gateway and other workers), and
+        into this core's slots at once."""
+        records = [AdapterRecord(n, p, self.config.engine.served_name) for n, p in self.config.engine.lora]
+        for record in records:
+            self.adapters.add(record)
+        self.core.preload(records)
 
     def run(self) -> None:
         """Serve until :meth:`stop`; Redis connection errors are retried with capped backoff."""
@@ -234,33 +253,16 @@ class Worker:
         """A turn's exchange with no batch riding: replies flushed, then work (blocking while
         idle) and cancels read."""
         self._flush()  # never wait for work with replies unsent
-        entries = self.reader.read(self._read_budget(), self._wait_for_work()) if take_work else []
+        lanes = self._read_budget()
+        entries = (
+            self.reader.read(lanes, reading.block_ms(self.core, self.reader, lanes)) if take_work else []
+        )
         # cancels only matter for what is held; new entries are checked by their flag when taken
         cancelled = self.cancels.read() if self.core.held() else set()
         return Received(entries, cancelled)
 
     def _read_budget(self) -> tuple[int, ...]:
-        running = [seq.request.lane for seq in self.core.running()]
-        return read_budget(
-            self.config.batching.max_batch_size, running, self.core.waiting_in(0), self.core.num_waiting
-        )
-
-    def _wait_for_work(self) -> int | None:
-        """How long the read may block: not at all while a batch runs; while a batch forms,
-        sleep here in short slices instead (Redis times blocked reads out on its own clock tick,
-        tens of ms late); a bounded idle wait otherwise."""
-        if self.core.has_work or max(self._read_budget()) <= 0:
-            return None
-        ready = self.core.ready_at()
-        if self.core.num_waiting:
-            left = IDLE_BLOCK_MS / 1000 if ready is None else ready - time.monotonic()
-            if left > 0:
-                time.sleep(min(left, FORMING_POLL_MS / 1000))
-            return None
-        longest = self.reader.longest_block_ms(IDLE_BLOCK_MS)  # shorter while others' shards may wait
-        if ready is None:
-            return longest
-        return min(longest, max(1, int((ready - time.monotonic()) * 1000) + 1))
+        return reading.budget(self.core, self.config.batching.max_batch_size)
 
     def _apply(self, received: Received) -> None:
         """Act on what came in: refused writes logged, new and reclaimed work admitted, cancels

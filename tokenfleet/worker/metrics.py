@@ -84,6 +84,9 @@ class WorkerMetrics:
         self.kv_blocks_total = gauge("tokenfleet_kv_blocks_total", "KV blocks in the pool.").labels(**mine)
         self.waiting = gauge("tokenfleet_requests_waiting", "Read, not started, per lane.", lane)
         self.running = gauge("tokenfleet_requests_running", "Running sequences.").labels(**mine)
+        self.adapters_resident = gauge(
+            "tokenfleet_lora_adapters_resident", "LoRA adapters loaded in this worker's slots."
+        ).labels(**mine)
         self.redis_evicting = gauge(
             "tokenfleet_redis_evicting",
             "1: Redis's maxmemory-policy may delete our keys (not noeviction); 0: safe; -1: unknown.",

@@ -56,6 +56,8 @@ class Publisher:
                 self.finish(seq)
         for seq, message in output.failed:  # rows the engine could not run; their batch-mates go on
             self.fail(seq, ErrorCode.INTERNAL, message)
+        for seq, refusal in output.refused:  # rows the core would not start (their adapter cannot load)
+            self.fail(seq, refusal.code, refusal.message)
 
     def finish(self, seq: SeqState) -> None:
         """End ``seq`` with ``done`` (its finish reason), then acknowledge its entry."""

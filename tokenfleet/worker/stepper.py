@@ -13,8 +13,8 @@ from tokenfleet.ratelog import RateLimitedLog
 from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.policy import TurnPolicy
 from tokenfleet.worker.publisher import Publisher
-from tokenfleet.worker.thread_tuning import ThreadTuner
-from tokenfleet.worker.wait_tuning import WaitTuning
+from tokenfleet.worker.tuning.threads import ThreadTuner
+from tokenfleet.worker.tuning.wait import WaitTuning
 
 log = logging.getLogger(__name__)
 

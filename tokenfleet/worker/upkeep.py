@@ -150,6 +150,7 @@ class Upkeep:
                 "prefix_cache_queries": cap.prefix_cache_queries,
                 "prefix_cache_hits": cap.prefix_cache_hits,
                 "shards_owned": max(0, self._shards_owned),  # affinity shards per lane, all buckets
+                "adapters": list(cap.adapters),  # LoRA adapters resident
             }
         )
         return True
@@ -161,6 +162,7 @@ class Upkeep:
         waiting = {lane: self.core.waiting_in(rank) for rank, lane in enumerate(LANES)}
         self.metrics.state(cap.running, waiting, cap.kv_blocks_used, cap.kv_blocks_total)
         self.metrics.prefix_cache(cap.prefix_cache_queries, cap.prefix_cache_hits)
+        self.metrics.adapters_resident.set(len(cap.adapters))
 
     def _log_memory(self) -> None:
         """How full the KV pool got, next to what a contiguous cache preallocated for

@@ -46,5 +46,20 @@ def engine_args(config: WorkerConfig) -> Any:
         # logprobs after penalties, bias and temperature, as the native engine reports them
         logprobs_mode="processed_logprobs",
         disable_log_stats=True,
+        **lora_args(config),
         **kv,
     )
+
+
+# vLLM takes these ranks (its punica kernels are built for them)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_args(config: WorkerConfig) -> dict[str, Any]:
+    """vLLM's LoRA settings from ``--max-loras`` and ``--max-lora-rank`` (the rank rounded up to
+    one vLLM takes); none where the worker serves no adapters."""
+    engine = config.engine
+    if engine.max_loras <= 0:
+        return {}
+    rank = next((r for r in VLLM_LORA_RANKS if r >= engine.max_lora_rank), VLLM_LORA_RANKS[-1])
+    return {"enable_lora": True, "max_loras": engine.max_loras, "max_lora_rank": rank}

@@ -24,9 +24,11 @@ from tokenfleet.core.front import CoreFront
 from tokenfleet.core.interface import BatchEvent, Capacity, ModelFacts, StepOutput, TokenOutput
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.core.vocab import eos_token_ids
+from tokenfleet.engines.vllm.adapters import LoraRequests, adapter_refusal
 from tokenfleet.engines.vllm.args import engine_args
 from tokenfleet.engines.vllm.controls import control_kwargs, vllm_logprobs
 from tokenfleet.protocol import Refusal, Request
+from tokenfleet.protocol.adapters import AdapterRecord
 from tokenfleet.protocol.prompt_length import max_token_chars
 
 log = logging.getLogger(__name__)
@@ -64,12 +66,22 @@ class VllmCore(CoreFront):
         self.prefix_cache_hits = 0  # ... of which its prefix cache held the K/V (its num_cached_tokens)
         self._first_output: set[str] = set()  # handed over, no output yet: its cache hits not counted
         self._active: dict[str, SeqState] = {}  # handed to vLLM, by vLLM request id, in order
+        lora = engine.vllm_config.lora_config
+        self.max_lora_rank = int(lora.max_lora_rank) if lora is not None else 0  # 0: adapters off
+        self._loras = LoraRequests()
 
     def output_constraint(self, request: Request) -> Any:
         """The output controls go to vLLM (:mod:`.controls`), grammars included: compiled here
         first only to refuse one that cannot compile (``invalid_grammar``) before vLLM sees it."""
         checked = super().output_constraint(request)
         return checked if isinstance(checked, Refusal) else None
+
+    def add(self, seq: SeqState, arrived: float) -> Refusal | None:
+        """Queue ``seq``; the adapter it names is checked first."""
+        return adapter_refusal(seq, self.max_lora_rank) or super().add(seq, arrived)
+
+    def preload(self, adapters: list[AdapterRecord]) -> None:
+        pass  # vLLM loads an adapter with the first request that names it
 
     @classmethod
     def from_config(cls, config: WorkerConfig) -> VllmCore:
@@ -194,7 +206,12 @@ class VllmCore(CoreFront):
         now = time.time()
         for seq in seqs:
             request_id = vllm_request_id(seq.key)
-            self.engine.add_request(request_id, {"prompt_token_ids": seq.all_tokens}, sampling_params(seq))
+            self.engine.add_request(
+                request_id,
+                {"prompt_token_ids": seq.all_tokens},
+                sampling_params(seq),
+                lora_request=self._loras.of(seq),
+            )
             self._active[request_id] = seq
             self._first_output.add(request_id)
             self.prefix_cache_queries += len(seq.all_tokens)

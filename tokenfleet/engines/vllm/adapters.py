@@ -1,0 +1,42 @@
+"""Adapters on the vLLM backend: checked before vLLM sees them (it would fail a whole step on a
+broken one, not the request), and handed over as vLLM's ``LoRARequest`` with a stable id per name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenfleet.core.sequence import SeqState
+from tokenfleet.engines.native.lora.adapter import AdapterError, check_adapter_files
+from tokenfleet.protocol import ErrorCode, Refusal
+
+
+def adapter_refusal(seq: SeqState, max_lora_rank: int) -> Refusal | None:
+    """Why ``seq``'s adapter cannot run on this vLLM engine (``max_lora_rank`` 0: LoRA is off)."""
+    name = seq.request.adapter
+    if name is None:
+        return None
+    if not max_lora_rank:
+        return Refusal(ErrorCode.ADAPTER_UNAVAILABLE, "this worker serves no adapters (--max-loras 0)")
+    if seq.adapter_path is None:
+        return Refusal(ErrorCode.ADAPTER_UNAVAILABLE, f"no adapter {name!r} is known to this fleet")
+    try:
+        check_adapter_files(seq.adapter_path, max_lora_rank)
+    except AdapterError as e:
+        return Refusal(ErrorCode.ADAPTER_UNAVAILABLE, f"adapter {name!r} cannot be loaded: {e}")
+    return None
+
+
+class LoraRequests:
+    """vLLM's ``LoRARequest`` for each sequence, one integer id per adapter name."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+
+    def of(self, seq: SeqState) -> Any:
+        name = seq.request.adapter
+        if name is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        lora_id = self._ids.setdefault(name, len(self._ids) + 1)
+        return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=seq.adapter_path)
