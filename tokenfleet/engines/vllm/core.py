@@ -24,7 +24,7 @@ from tokenfleet.core.front import CoreFront
 from tokenfleet.core.interface import BatchEvent, Capacity, ModelFacts, StepOutput, TokenOutput
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.core.vocab import eos_token_ids
-from tokenfleet.engines.vllm.adapters import LoraRequests, adapter_refusal
+from tokenfleet.engines.vllm.adapters import LoraRequests, adapter_refusal, keep_base_rows_base
 from tokenfleet.engines.vllm.args import engine_args
 from tokenfleet.engines.vllm.controls import control_kwargs, vllm_logprobs
 from tokenfleet.protocol import Refusal, Request
@@ -69,6 +69,8 @@ class VllmCore(CoreFront):
         lora = engine.vllm_config.lora_config
         self.max_lora_rank = int(lora.max_lora_rank) if lora is not None else 0  # 0: adapters off
         self._loras = LoraRequests()
+        if lora is not None:
+            keep_base_rows_base()
 
     def output_constraint(self, request: Request) -> Any:
         """The output controls go to vLLM (:mod:`.controls`), grammars included: compiled here
