@@ -17,7 +17,7 @@ from tokenfleet.cli.fleet import format_status
 from tokenfleet.config import resolve_worker_config
 from tokenfleet.gateway import watch
 from tokenfleet.gateway.errors import APIError
-from tokenfleet.gateway.fleet import Fleet
+from tokenfleet.gateway.models import Fleet
 from tokenfleet.protocol import Keys
 from tokenfleet.transport.server.embedded import EmbeddedRedis
 from tokenfleet.transport.server.memory import EvictingRedis, check_memory_policy, read_memory_policy

@@ -26,7 +26,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenfleet.config import GatewayConfig
-from tokenfleet.gateway import adapters, batches, completions, errors, files
+from tokenfleet.gateway import batches, completions, errors, files, models
 from tokenfleet.gateway.errors import APIError
 from tokenfleet.gateway.limits import BodyLimit
 from tokenfleet.gateway.service import Service
@@ -88,7 +88,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return await asyncio.to_thread(lane_queues, service.sync_redis(), service.client.keys)
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
+    async def list_models(request: Request) -> dict[str, Any]:
         """Served models, then the adapters of served models (``parent``: their base), as vLLM."""
         service = request.app.state.service
         served = await service.fleet.models()
@@ -100,7 +100,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 data.append({"id": name, **model, "root": record.path, "parent": parent})
         return {"object": "list", "data": data}
 
-    for router in (completions.router, files.router, batches.router, adapters.router):
+    for router in (completions.router, files.router, batches.router, models.router):
         app.include_router(router)
     return app
 

@@ -21,8 +21,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tokenfleet.gateway.adapters import resolve
 from tokenfleet.gateway.errors import APIError, api_error, reply_error
+from tokenfleet.gateway.models import resolve
 from tokenfleet.gateway.service import Service
 from tokenfleet.gateway.streaming import START, CompletionProgress, chunks, follow, parse_event_id
 from tokenfleet.gateway.watch import orphaned_error, unless_orphaned

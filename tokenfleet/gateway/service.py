@@ -11,8 +11,7 @@ from typing import Any
 import redis
 
 from tokenfleet.config import GatewayConfig
-from tokenfleet.gateway.adapters import Adapters
-from tokenfleet.gateway.fleet import Fleet
+from tokenfleet.gateway.models import Adapters, Fleet
 from tokenfleet.gateway.records import Records
 from tokenfleet.producer import AsyncClient
 from tokenfleet.transport.server.connection import connect_client

@@ -12,7 +12,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet.gateway.errors import APIError
-from tokenfleet.gateway.fleet import Fleet
+from tokenfleet.gateway.models import Fleet
 
 POLL_S = 1.0
 GRACE_S = 5.0  # past the heartbeat's staleness: a worker restarting under supervision returns

@@ -42,6 +42,7 @@ CLIENT_ERROR_CODES = frozenset(
         ErrorCode.UNSUPPORTED_VERSION,
         ErrorCode.DUPLICATE_ID,
         ErrorCode.INVALID_GRAMMAR,
+        ErrorCode.ADAPTER_UNAVAILABLE,  # the caller's adapter cannot load: vLLM answers 400 too
     }
 )
 
