@@ -38,6 +38,9 @@ def make_adapters(model: str, count: int, rank: int, root: Path) -> dict[str, st
 
     out = {}
     for i in range(count):
+        out[f"lora{i}"] = str(root / f"lora{i}")
+        if (root / f"lora{i}" / "adapter_model.safetensors").exists():
+            continue  # made by an earlier run (--adapters-dir)
         torch.manual_seed(i)
         base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
         config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
@@ -45,7 +48,6 @@ def make_adapters(model: str, count: int, rank: int, root: Path) -> dict[str, st
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
                 param.data.normal_(0.0, 0.02)
-        out[f"lora{i}"] = str(root / f"lora{i}")
         peft_model.save_pretrained(out[f"lora{i}"])
     return out
 
@@ -114,11 +116,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--only", default="tokenfleet-base,tokenfleet-lora,vllm-base,vllm-lora")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--adapters-dir", help="make the adapters here, or reuse those an earlier run made")
     args = p.parse_args()
     reqs = make_workload("fixed", args.requests, 128, 64, 0.0, 0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = make_adapters(args.model, args.adapters, args.rank, Path(tmp))
+        root = Path(args.adapters_dir or tmp) / f"rank{args.rank}"
+        adapters = make_adapters(args.model, args.adapters, args.rank, root)
         names = list(adapters)
         use = [names[i % len(names)] for i in range(len(reqs))]
         systems = args.only.split(",")

@@ -141,7 +141,7 @@ def test_missing_or_bad_id_is_dead_lettered():
 
 
 def test_unknown_version_is_dead_lettered_but_keeps_the_id():
-    e = err({b"m": msgpack.packb({"v": 3, "id": "abc", "prompt": "hi"})})
+    e = err({b"m": msgpack.packb({"v": 99, "id": "abc", "prompt": "hi"})})
     assert e.dead_letter and e.code == ErrorCode.UNSUPPORTED_VERSION and e.request_id == "abc"
 
 

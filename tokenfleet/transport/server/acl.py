@@ -1,7 +1,8 @@
 """Redis ACL rules for the roles of a fleet: producers, workers and monitors.
 
 Producers may only enqueue (through the backpressure script), read reply streams, cancel, read
-the bucket list and the workers' heartbeats (to say when nobody serves a request); workers may
+the bucket list, the workers' heartbeats (to say when nobody serves a request) and the adapter
+registry; workers may
 only do what serving needs, on the fleet's keys; monitors (``tokenfleet status``, dashboards)
 may only read. Print them with ``tokenfleet acl``; ``docs/operations/secure.md`` shows them for the
 default prefix.
@@ -101,6 +102,7 @@ def producer_key_patterns(prefix: str) -> list[str]:
         f"~{prefix}:client:*",  # asyncio clients' wake-up streams (XADD, XREAD)
         f"%R~{prefix}:owner:*",
         f"%R~{keys.workers}",
+        f"%R~{keys.adapters}",  # which LoRA adapters the fleet serves (adding one is an admin's)
     ]
 
 
@@ -123,6 +125,7 @@ def worker_key_patterns(prefix: str) -> list[str]:
         f"~{keys.buckets}",
         f"~{keys.workers}",
         f"~{keys.max_queue}",
+        f"~{keys.adapters}",  # its --lora adapters, written at start
         f"%R~{prefix}:cancel:*",
         f"%R~{keys.cancels}",
     ]
