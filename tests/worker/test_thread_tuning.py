@@ -123,3 +123,39 @@ def test_the_run_queue_wait_of_this_process_rises_beside_a_busy_process():
             neighbour.kill()
             neighbour.wait()
     assert contended > 0.2, contended
+
+
+def test_side_work_runs_below_compute_and_is_not_read_as_a_neighbour():
+    """An adapter's loading thread marks itself side work: nice 10, and left out of the run-queue
+    wait the tuner reads (its waits behind our own compute are no neighbour's load)."""
+    import os
+    import threading
+
+    from tokenfleet.config.cpus import become_side_work, side_work_threads
+    from tokenfleet.worker.tuning import threads
+
+    seen: dict[str, int] = {}
+
+    def side() -> None:
+        become_side_work()
+        tid = threading.get_native_id()
+        seen["tid"], seen["nice"] = tid, os.getpriority(os.PRIO_PROCESS, tid)
+        seen["listed"] = tid in side_work_threads()
+        read: list[str] = []
+        real_open = open
+
+        def spy(path, *a, **kw):
+            read.append(str(path))
+            return real_open(path, *a, **kw)
+
+        threads.open = spy  # type: ignore[attr-defined]  # the module's own name for open
+        try:
+            threads.waited_ns()
+        finally:
+            del threads.open  # type: ignore[attr-defined]
+        seen["read_own"] = any(f"/task/{tid}/" in p for p in read)
+
+    worker = threading.Thread(target=side)
+    worker.start()
+    worker.join()
+    assert seen["nice"] == 10 and seen["listed"] and not seen["read_own"]

@@ -10,8 +10,10 @@ quota keeps off its core. So the worker's threads start at what it may use (and
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,3 +110,21 @@ def v1_quota(group: Path) -> float | None:
     except (OSError, ValueError):
         return None
     return None if quota <= 0 or period <= 0 else quota / period
+
+
+_SIDE_WORK: set[int] = set()  # native ids of this process's threads doing side work (adapter loads)
+SIDE_WORK_NICENESS = 10
+
+
+def become_side_work(niceness: int = SIDE_WORK_NICENESS) -> None:
+    """Mark the calling thread as side work (a thread pool's initializer): it runs below the compute
+    threads' priority, so a step never waits on it, and its own waits for a CPU are not taken for a
+    neighbour's load by :mod:`tokenfleet.worker.tuning.threads`."""
+    tid = threading.get_native_id()
+    _SIDE_WORK.add(tid)
+    with contextlib.suppress(OSError):  # on Linux a thread's id names that thread alone
+        os.setpriority(os.PRIO_PROCESS, tid, niceness)
+
+
+def side_work_threads() -> frozenset[int]:
+    return frozenset(_SIDE_WORK)

@@ -14,12 +14,13 @@ import ctypes.util
 import functools
 import logging
 import mmap
-import os
 import sys
 import threading
 import time
 
 import torch
+
+from tokenfleet.config.cpus import become_side_work
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class PagedKVStore:
         stop = threading.Event()
 
         def populate() -> None:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            become_side_work(niceness=19)
             started = time.monotonic()
             for begin, size in regions:
                 for offset in range(0, size, POPULATE_CHUNK):

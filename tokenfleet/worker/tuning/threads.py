@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tokenfleet.config.cpus import side_work_threads
+
 log = logging.getLogger(__name__)
 
 CONTENDED = 0.12  # share of their time our threads waited for a CPU: alone ~0.01, a busy neighbour ~0.35
@@ -51,13 +53,17 @@ class RunQueueWait:
 
 
 def waited_ns() -> int:
-    """Nanoseconds this process's threads have waited on a run queue (``/proc/self/task``)."""
+    """Nanoseconds this process's threads have waited on a run queue (``/proc/self/task``), side
+    work left out (an adapter loading waits behind our own compute, not a neighbour's)."""
     total = 0
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
         return 0
+    side = {str(tid) for tid in side_work_threads()}
     for task in tasks:
+        if task in side:
+            continue
         try:
             with open(f"/proc/self/task/{task}/schedstat") as f:
                 total += int(f.read().split()[1])

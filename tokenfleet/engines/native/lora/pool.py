@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenfleet.config.cpus import become_side_work
 from tokenfleet.engines.native.lora.adapter import Adapter, AdapterError, load_adapter
 from tokenfleet.engines.native.lora.linear import LoraStep, SlotWeights
 
@@ -44,7 +45,7 @@ class LoraPool:
         self._loading: dict[str, Future[Adapter]] = {}
         self._ready: dict[str, Adapter] = {}  # loaded, waiting for a free slot
         self._failed: dict[str, tuple[float, str]] = {}  # when and why a load last failed
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="tokenfleet-lora-load")
+        self._loader = ThreadPoolExecutor(1, "tokenfleet-lora-load", initializer=become_side_work)
         for name in linears:
             step.weights[name] = SlotWeights.empty(slots, dtype)
 
