@@ -59,6 +59,11 @@ class LoraPool:
     def resident(self) -> list[str]:
         return list(self._used)
 
+    @property
+    def reading(self) -> int:
+        """Adapters whose files are being read now."""
+        return sum(not future.done() for future in self._loading.values())
+
     def load(self, name: str, path: str) -> None:
         """Start reading ``name`` from ``path`` unless it is resident or on its way (or failed a
         moment ago: its requests then fail at once, without reading the files again)."""
