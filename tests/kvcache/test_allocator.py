@@ -205,3 +205,17 @@ def test_any_sequence_of_operations_keeps_the_pool_consistent(operations):
                 contents[block] = (*contents.get(block, ())[: i % 2], (i, toks[i]))
             live[key] = list(toks)
         a.check_integrity()
+
+
+def test_a_first_block_filled_while_decoding_keeps_its_adapters_salt():
+    """A prompt shorter than a block, under an adapter's salt, decodes past the block: the block it
+    fills is named under that salt, never found by the base model or another adapter."""
+    a = BlockAllocator(num_blocks=8, block_size=4, prefix_caching=True)
+    assert a.allocate("adapted", [1, 2], salt=b"adapter:support") is not None
+    for token in (3, 4, 5):
+        assert a.append_slot("adapted", token) is not None
+    a.confirm()
+    a.free("adapted")
+    assert a.cached_prefix([1, 2, 3, 4, 5, 6]) == []
+    assert a.cached_prefix([1, 2, 3, 4, 5, 6], b"adapter:legal") == []
+    assert len(a.cached_prefix([1, 2, 3, 4, 5, 6], b"adapter:support")) == 1

@@ -9,8 +9,9 @@ import pytest
 import redis
 
 from tokenfleet.config import DynamicBatchingConfig
+from tokenfleet.errors import RequestFailed
 from tokenfleet.producer import AsyncClient, Client
-from tokenfleet.protocol import Keys
+from tokenfleet.protocol import ErrorCode, Keys
 from tokenfleet.transport.server.acl import acl_rules
 from tokenfleet.transport.server.embedded import EmbeddedRedis, answers, find_server_binary, free_port
 
@@ -42,6 +43,9 @@ def test_each_role_does_its_job_through_acls(acl_server, runner, prefix, model_p
         client = Client(producer_url, model=str(model_path), prefix=prefix)
         res = client.submit("acl", max_new_tokens=5).result(timeout=60)
         assert res.token_ids == reference.greedy(reference.ids("acl"), 5)
+        with pytest.raises(RequestFailed) as unknown:  # the adapter registry, read under the worker's rights
+            client.submit("acl", max_new_tokens=3, adapter="nobody").result(timeout=60)
+        assert unknown.value.code == ErrorCode.ADAPTER_UNAVAILABLE
         long = client.submit("cancel", max_new_tokens=200, ignore_eos=True)
         next(iter(long.stream(timeout=60)))
         long.cancel()

@@ -6,6 +6,7 @@ request with ``adapter_unavailable``, before vLLM sees it (vLLM would fail the w
 import os
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 from lora_adapters import ALL, make_adapter
@@ -111,17 +112,24 @@ def test_mixed_adapters_and_base_equal_vllm_offline(lora_engine, tiny_model, ada
 def test_an_adapter_vllm_cannot_load_fails_only_its_request(
     lora_engine, tiny_model, adapter_dirs, redis_url, prefix, r, tmp_path
 ):
-    """Through a worker: a too-high rank, a missing directory, a corrupt file and an unknown name
-    each answer ``adapter_unavailable``; a good adapter beside them is served."""
+    """Through a worker: a too-high rank, a missing directory, a corrupt config, weights cut short
+    and an unknown name each answer ``adapter_unavailable``; a good adapter beside them is served."""
     from conftest import RunningWorker
 
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     (corrupt / "adapter_config.json").write_text("{not json")
     (corrupt / "adapter_model.safetensors").write_bytes(b"\0" * 64)
+    truncated = tmp_path / "truncated"  # a good config, its weights cut short
+    truncated.mkdir()
+    good = Path(adapter_dirs["support"])
+    (truncated / "adapter_config.json").write_text((good / "adapter_config.json").read_text())
+    (truncated / "adapter_model.safetensors").write_bytes(
+        (good / "adapter_model.safetensors").read_bytes()[:100]
+    )
     keys = Keys(prefix)
     paths = {"support": adapter_dirs["support"], "huge": adapter_dirs["huge"]}
-    paths |= {"gone": str(tmp_path / "gone"), "corrupt": str(corrupt)}
+    paths |= {"gone": str(tmp_path / "gone"), "corrupt": str(corrupt), "truncated": str(truncated)}
     for name, path in paths.items():
         r.hset(keys.adapters, name, AdapterRecord(name, path, "tiny").to_json())
     core = core_of(lora_engine, tiny_model)
@@ -130,7 +138,7 @@ def test_an_adapter_vllm_cannot_load_fails_only_its_request(
         client = Client(redis_url, model=tiny_model, prefix=prefix, buckets=[16, 64])
         bad = {
             n: client.submit(input_ids=prompt, max_new_tokens=6, adapter=n)
-            for n in ("huge", "gone", "corrupt", "nobody")
+            for n in ("huge", "gone", "corrupt", "truncated", "nobody")
         }
         good = client.submit(input_ids=prompt, max_new_tokens=6, ignore_eos=True, adapter="support")
         for name, handle in bad.items():

@@ -71,6 +71,7 @@ class BlockAllocator:
         self._tables: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}
         self._chains: dict[Hashable, list[bytes]] = {}  # names of the sequence's full blocks
+        self._roots: dict[Hashable, bytes] = {}  # the parent of its first block (its salt's root)
         self._tail: dict[Hashable, list[int]] = {}  # token ids in its last, partial block
         self.queries = 0  # prompt tokens looked up in the cache
         self.hits = 0  # ... found there
@@ -175,7 +176,7 @@ class BlockAllocator:
         self._lengths[seq_id] = len(tokens)
         full = len(tokens) // self.block_size
         chain = list(self._names(tokens, salt)) if self.prefix_caching else []
-        self._chains[seq_id] = chain
+        self._chains[seq_id], self._roots[seq_id] = chain, salted_root(salt) if salt else ROOT
         self._tail[seq_id] = list(tokens[full * self.block_size :])
         for i in range(len(cached), len(chain)):
             self._name_block(table[i], chain[i])
@@ -200,7 +201,7 @@ class BlockAllocator:
         if len(tail) == self.block_size:
             if self.prefix_caching:
                 chain = self._chains[seq_id]
-                name = block_hash(chain[-1] if chain else ROOT, tail)
+                name = block_hash(chain[-1] if chain else self._roots[seq_id], tail)
                 chain.append(name)
                 self._name_block(table[-1], name)
             tail.clear()
@@ -217,7 +218,7 @@ class BlockAllocator:
                 self._free[block] = None
                 if self._name[block] is None:
                     self._free.move_to_end(block, last=False)
-        for mapping in (self._tables, self._lengths, self._chains, self._tail):
+        for mapping in (self._tables, self._lengths, self._chains, self._roots, self._tail):
             del mapping[seq_id]
 
     def confirm(self) -> None:

@@ -84,8 +84,8 @@ class ModelRunner:
         self.use_triton = self.device.type == "cuda" and not variants and triton_paged.available()
         graphed = engine.cuda_graphs and self.use_triton
         self.graphs = self._decode_graphs(batching.max_seq_len) if graphed else None
-        # LoRA adapters in eager steps (read the linears before the lean forward fuses them)
-        adapters = engine.max_loras > 0 and not engine.compile
+        # LoRA in eager CPU steps, on the C++ kernel (linears read before the lean forward fuses them)
+        adapters = engine.max_loras > 0 and not engine.compile and on_cpu and load_kernels() is not None
         linears = adaptable_linears(self.model) if adapters else {}
         # eager CPU steps run the lean forward where the architecture allows (compiled ones fuse themselves)
         self.lean = lean_decoder(self.model) if self.use_kernel and not engine.compile else None

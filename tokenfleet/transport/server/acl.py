@@ -78,6 +78,7 @@ WORKER_COMMANDS = (
         "+srem",
         "+smembers",
         "+hgetall",
+        "+hget",  # an adapter's record in the registry
         "+exists",
         "+xread",
         "+xrevrange",

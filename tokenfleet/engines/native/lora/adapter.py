@@ -116,11 +116,22 @@ def check_adapter_files(directory: str, max_rank: int) -> None:
     """Without loading its weights: ``directory`` holds a PEFT LoRA adapter this engine's rules
     allow, of rank at most ``max_rank`` (what a backend that loads adapters itself is handed)."""
     config = read_config(Path(directory))
-    ranks = [config.get("r", 8), *(config.get("rank_pattern") or {}).values()]
+    pattern = config.get("rank_pattern") or {}
+    ranks = [config.get("r", 8), *(pattern.values() if isinstance(pattern, dict) else [None])]
+    if not all(isinstance(r, int) and r > 0 for r in ranks):
+        raise AdapterError(f"{directory}: ranks must be positive integers, got {ranks}")
     if max(ranks) > max_rank:
         raise AdapterError(f"rank {max(ranks)} is above this worker's --max-lora-rank {max_rank}")
-    if not (Path(directory) / WEIGHTS).is_file():
+    weights = Path(directory) / WEIGHTS
+    if not weights.is_file():
         raise AdapterError(f"{directory} has no {WEIGHTS} (a pickled .bin is never loaded: convert it)")
+    try:  # the header only: a truncated or corrupt file fails here, not in the backend's step
+        from safetensors import safe_open
+
+        with safe_open(str(weights), "pt") as f:
+            f.keys()
+    except Exception as e:  # safetensors raises its own error types
+        raise AdapterError(f"{weights} cannot be read: {e}") from None
 
 
 def read_config(root: Path) -> dict[str, Any]:
@@ -131,7 +142,9 @@ def read_config(root: Path) -> dict[str, Any]:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise AdapterError(f"{path} cannot be read: {e}") from None
-    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
+    if not isinstance(config, dict):
+        raise AdapterError(f"{path}: not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{path}: not a LoRA adapter (peft_type {config.get('peft_type')!r})")
     for field, default in UNSUPPORTED.items():
         if config.get(field, default) not in (default, [], {}):

@@ -32,7 +32,7 @@ class AdapterGate:
         if seq.request.adapter is None:
             return None
         if self.pool is None:
-            message = "this worker serves no adapters (--max-loras 0, or --compile)"
+            message = "this worker serves no adapters (--max-loras 0, --compile, or not on a CPU)"
             return Refusal(ErrorCode.ADAPTER_UNAVAILABLE, message)
         if seq.adapter_path is None:
             return Refusal(

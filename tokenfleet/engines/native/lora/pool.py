@@ -98,7 +98,9 @@ class LoraPool:
             except Exception as e:  # a bad or odd file: the adapter's requests fail, never the worker
                 why = str(e) if isinstance(e, AdapterError) else f"{type(e).__name__}: {e}"
                 news.failed.append((name, why))
-                self._failed[name] = (time.monotonic(), why)
+                last = self._failed.get(name)
+                if last is None or time.monotonic() - last[0] >= RETRY_FAILED_S:  # a read, not the memo
+                    self._failed[name] = (time.monotonic(), why)
         for name in list(self._ready):
             slot = self._free_slot(in_use)
             if slot is None:
