@@ -39,7 +39,11 @@ def add(name: str, directory: str, base: str | None, redis_url: str | None, pref
         check_adapter_name(name)
         if Path(directory).exists() and not (Path(directory) / "adapter_config.json").is_file():
             raise ValueError(f"{directory} holds no adapter_config.json: not a PEFT adapter directory")
-        _registry(redis_url, prefix).add(AdapterRecord(name, directory, base))
+        registry = _registry(redis_url, prefix)
+        known = registry.get(name)
+        if known is not None and known.path != directory:  # workers hold an adapter by its name
+            raise ValueError(f"adapter {name!r} is served from {known.path}: new weights take a new name")
+        registry.add(AdapterRecord(name, directory, base))
         click.echo(f"adapter {name} -> {directory}" + (f" (base {base})" if base else ""))
 
 

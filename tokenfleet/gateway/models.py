@@ -150,9 +150,12 @@ async def load_lora_adapter(body: LoadLoraAdapter, request: Request) -> PlainTex
         check_adapter_name(body.lora_name)
     except ValueError as e:
         raise APIError(400, str(e), param="lora_name") from e
+    if body.load_inplace:  # workers hold an adapter by its name: new weights take a new name
+        message = "load_inplace is not supported: load the new weights under a new lora_name"
+        raise APIError(400, message, param="load_inplace")
     known = await service.adapters.records()
-    if body.lora_name in known and not body.load_inplace:
-        message = f"the adapter {body.lora_name!r} is loaded already (load_inplace: true replaces it)"
+    if body.lora_name in known:
+        message = f"the adapter {body.lora_name!r} is loaded already (new weights take a new lora_name)"
         raise APIError(400, message, param="lora_name")
     served = await service.fleet.models()
     base = body.base_model_name or (next(iter(served)) if len(served) == 1 else None)

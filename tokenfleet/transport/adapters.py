@@ -31,7 +31,7 @@ class AdapterRegistry:
         :data:`FRESH_S` ago, else (and for a name it lacks: one just added is found at once) one
         ``HGET``."""
         read_at = self._read.get(name)
-        if read_at is None or self.clock() - read_at > FRESH_S:
+        if read_at is None or self._records.get(name) is None or self.clock() - read_at > FRESH_S:
             raw = self.client.hget(self.keys.adapters, name)
             record = None
             if raw is not None:
