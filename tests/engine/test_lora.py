@@ -178,3 +178,80 @@ def qwen_like(tmp_path_factory) -> str:
     from families import build_family
 
     return build_family("qwen2", tmp_path_factory.mktemp("other") / "qwen2")
+
+
+@pytest.mark.timeout(300)
+def test_steady_traffic_to_resident_adapters_cannot_starve_a_cold_one(tiny_model, peft, reference, tmp_path):
+    """Two slots, each held by an adapter that always has requests in flight: a third adapter's
+    request still runs (the least recently used adapter drains: its new requests wait until it
+    has been swapped out and back), and every answer equals PEFT's."""
+    paths = {
+        f"s{i}": make_adapter(tiny_model, tmp_path / f"s{i}", 8, ["q_proj"], seed=70 + i) for i in range(3)
+    }
+    runner = make_runner(
+        tiny_model,
+        device="cpu",
+        dtype="float32",
+        max_loras=2,
+        kv=KVCacheConfig(block_size=4, num_blocks=1024),
+    )
+    batching = DynamicBatchingConfig(
+        mode="continuous", max_wait_ms=0, max_batch_size=8, max_seq_len=256, buckets=(64,)
+    )
+    core = NativeCore(runner, batching, clock=lambda: 1e9)
+    ids = reference.ids("steady traffic")
+    seqs: list[SeqState] = []
+
+    def add(name: str) -> SeqState:
+        seqs.append(seq_of(runner, f"{name}-{len(seqs)}", ids, name, paths[name]))
+        assert core.add(seqs[-1], time.monotonic()) is None
+        return seqs[-1]
+
+    def step() -> None:
+        assert not core.open_parked()  # every adapter here loads
+        if not core.step().tokens:
+            time.sleep(0.002)  # an adapter loads on its thread
+
+    cold = None
+    for _ in range(5000):
+        for name in ("s0", "s1"):  # steady: each always has requests held
+            if sum(s.request.adapter == name for s in core.held()) < 3:
+                add(name)
+        if cold is None and set(core.adapters.resident()) == {"s0", "s1"}:
+            cold = add("s2")
+        step()
+        if cold is not None and cold.finished:
+            break
+    assert cold is not None and cold.finished, "the cold adapter never got a slot"
+    for _ in range(5000):
+        if not core.held():
+            break
+        step()
+    assert all(s.finished for s in seqs)
+    expected = {name: peft.greedy(path, ids, NEW) for name, path in paths.items()}
+    for seq in seqs:
+        assert seq.generated == expected[seq.request.adapter], seq.key
+
+
+def test_a_name_added_again_with_new_files_serves_the_new_weights(tiny_model, peft, reference, tmp_path):
+    """An adapter removed and added again under the same name from another directory: the worker
+    that held the old weights serves the new ones (it holds adapters, and caches their prefixes,
+    by name and directory)."""
+    old = make_adapter(tiny_model, tmp_path / "old", 8, ALL, seed=80)
+    new = make_adapter(tiny_model, tmp_path / "new", 8, ALL, seed=81)
+    runner = make_runner(
+        tiny_model, device="cpu", dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=512)
+    )
+    ids = reference.ids("new weights: a prompt that fills cached blocks")
+    batching = DynamicBatchingConfig(
+        mode="dynamic", max_wait_ms=0, max_batch_size=1, max_seq_len=256, buckets=(64,)
+    )
+    core = NativeCore(runner, batching, clock=lambda: 1e9)
+    first, again, second = (
+        seq_of(runner, f"turn-{i}", ids, "same", p) for i, p in enumerate((old, old, new))
+    )
+    for seq in (first, again, second):
+        assert not run_offline(core, [(0.0, seq)]).failed
+    assert again.cached_tokens > 0 and second.cached_tokens == 0
+    assert first.generated == again.generated == peft.greedy(old, ids, NEW)
+    assert second.generated == peft.greedy(new, ids, NEW) != first.generated

@@ -246,3 +246,29 @@ def test_producer_commands_all_run_under_the_producer_role(acl_server, runner, p
         assert cli("cancel", "acl-cli").returncode == 0
         batch = cli("batch", str(prompts), "-o", str(tmp_path / "out.jsonl"), "--max-new-tokens", "2")
         assert batch.returncode == 0, batch.stderr
+
+
+def test_a_gateway_under_the_producer_role_refuses_adapter_changes_plainly(
+    acl_server, prefix, model_path, tmp_path
+):
+    """The producer role only reads the adapter registry: a gateway running under it answers an
+    admin's load_lora_adapter with a 403 that says what to do, not a 500."""
+    import httpx
+    from gateway_process import Gateway
+
+    server, admin = acl_server
+    producer_url = url_as(server, "tokenfleet-producer", "prod-secret")
+    gateway = Gateway(producer_url, prefix, str(model_path), "--admin-keys", "adm")
+    try:
+        body = {"lora_name": "support", "lora_path": str(tmp_path), "base_model_name": "tiny"}
+        answer = httpx.post(
+            gateway.url + "/v1/load_lora_adapter",
+            json=body,
+            headers={"Authorization": "Bearer adm"},
+            timeout=30,
+        )
+        assert answer.status_code == 403, answer.text
+        assert "tokenfleet lora add" in answer.json()["error"]["message"]
+        assert not admin.exists(Keys(prefix).adapters)
+    finally:
+        gateway.stop()

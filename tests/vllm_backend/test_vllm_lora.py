@@ -9,7 +9,9 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from lora_adapters import ALL, make_adapter
+from safetensors.torch import load_file, save_file
 
 from tokenfleet import protocol
 from tokenfleet.config import DynamicBatchingConfig, EngineConfig, KVCacheConfig, WorkerConfig
@@ -112,8 +114,9 @@ def test_mixed_adapters_and_base_equal_vllm_offline(lora_engine, tiny_model, ada
 def test_an_adapter_vllm_cannot_load_fails_only_its_request(
     lora_engine, tiny_model, adapter_dirs, redis_url, prefix, r, tmp_path
 ):
-    """Through a worker: a too-high rank, a missing directory, a corrupt config, weights cut short
-    and an unknown name each answer ``adapter_unavailable``; a good adapter beside them is served."""
+    """Through a worker: a too-high rank, a missing directory, a corrupt config, weights cut short,
+    weights of another model's shapes and an unknown name each answer ``adapter_unavailable``; a
+    good adapter beside them is served."""
     from conftest import RunningWorker
 
     corrupt = tmp_path / "corrupt"
@@ -127,8 +130,15 @@ def test_an_adapter_vllm_cannot_load_fails_only_its_request(
     (truncated / "adapter_model.safetensors").write_bytes(
         (good / "adapter_model.safetensors").read_bytes()[:100]
     )
+    misshapen = tmp_path / "misshapen"  # a good config, one lora_A a column too wide for the model
+    misshapen.mkdir()
+    (misshapen / "adapter_config.json").write_text((good / "adapter_config.json").read_text())
+    weights = load_file(str(good / "adapter_model.safetensors"))
+    first_a = next(k for k in sorted(weights) if ".lora_A." in k)
+    weights[first_a] = torch.cat([weights[first_a], weights[first_a][:, :1]], dim=1)
+    save_file(weights, str(misshapen / "adapter_model.safetensors"))
     keys = Keys(prefix)
-    paths = {"support": adapter_dirs["support"], "huge": adapter_dirs["huge"]}
+    paths = {"support": adapter_dirs["support"], "huge": adapter_dirs["huge"], "misshapen": str(misshapen)}
     paths |= {"gone": str(tmp_path / "gone"), "corrupt": str(corrupt), "truncated": str(truncated)}
     for name, path in paths.items():
         r.hset(keys.adapters, name, AdapterRecord(name, path, "tiny").to_json())
@@ -138,7 +148,7 @@ def test_an_adapter_vllm_cannot_load_fails_only_its_request(
         client = Client(redis_url, model=tiny_model, prefix=prefix, buckets=[16, 64])
         bad = {
             n: client.submit(input_ids=prompt, max_new_tokens=6, adapter=n)
-            for n in ("huge", "gone", "corrupt", "truncated", "nobody")
+            for n in ("huge", "gone", "corrupt", "truncated", "misshapen", "nobody")
         }
         good = client.submit(input_ids=prompt, max_new_tokens=6, ignore_eos=True, adapter="support")
         for name, handle in bad.items():

@@ -128,12 +128,13 @@ def test_a_worker_killed_mid_generation_hands_the_adapter_request_on(
 
 def test_openai_python_asks_for_an_adapter_as_its_model(run_worker, gateways, adapter_dirs, peft, reference):
     with run_worker(BATCHING, served_model_name=MODEL):
-        gateway = gateways()
-        loaded = httpx.post(
-            gateway.url + "/v1/load_lora_adapter",
-            json={"lora_name": "support", "lora_path": adapter_dirs["support"]},
-            timeout=30,
-        )
+        gateway = gateways("--admin-keys", "admin-secret")
+        body = {"lora_name": "support", "lora_path": adapter_dirs["support"]}
+        load = gateway.url + "/v1/load_lora_adapter"
+        refused = httpx.post(load, json=body, timeout=30)  # it points workers at their disks: admins only
+        assert refused.status_code == 403 and "admin key" in refused.json()["error"]["message"]
+        admin = {"Authorization": "Bearer admin-secret"}
+        loaded = httpx.post(load, json=body, headers=admin, timeout=30)
         assert loaded.status_code == 200, loaded.text
         client = gateway.openai()
         listed = {m.id: m for m in client.models.list().data}
@@ -148,7 +149,7 @@ def test_openai_python_asks_for_an_adapter_as_its_model(run_worker, gateways, ad
         )
         assert [t for c in streamed for t in c.choices[0].token_ids] == out.choices[0].token_ids
         unloaded = httpx.post(
-            gateway.url + "/v1/unload_lora_adapter", json={"lora_name": "support"}, timeout=30
+            gateway.url + "/v1/unload_lora_adapter", json={"lora_name": "support"}, headers=admin, timeout=30
         )
         assert unloaded.status_code == 200
         time.sleep(2.5)  # the gateway's view of the registry is a moment old

@@ -25,6 +25,13 @@ class GatewayConfig:
         "none needed). Prefer the environment (TOKENFLEET_API_KEYS) to the command line.",
         kind="str",
     )
+    admin_keys: str | None = setting(
+        None,
+        "Comma-separated admin API keys: they may also add and remove LoRA adapters at run time "
+        "(/v1/load_lora_adapter; without one configured those endpoints answer 403). Prefer the "
+        "environment (TOKENFLEET_ADMIN_KEYS).",
+        kind="str",
+    )
     request_timeout_s: float = setting(
         600.0, "Longest a request may take end to end; past it the worker drops it (deadline)."
     )
@@ -57,5 +64,14 @@ class GatewayConfig:
 
     @property
     def keys(self) -> frozenset[str]:
-        """The accepted API keys (empty: no key needed)."""
-        return frozenset(k.strip() for k in (self.api_keys or "").split(",") if k.strip())
+        """The accepted API keys, admins' included (empty: no key needed)."""
+        return _split(self.api_keys) | self.admins if self.api_keys else frozenset()
+
+    @property
+    def admins(self) -> frozenset[str]:
+        """The keys that may also change the fleet (its adapters)."""
+        return _split(self.admin_keys)
+
+
+def _split(keys: str | None) -> frozenset[str]:
+    return frozenset(k.strip() for k in (keys or "").split(",") if k.strip())

@@ -161,6 +161,12 @@ class EngineCore(Protocol):
         them need not wait. A core that loads adapters on its own (vLLM's) may do nothing."""
         ...
 
+    def open_parked(self) -> list[tuple[SeqState, Refusal]]:
+        """Queue the sequences parked while their adapter loaded, now that it has; returns those
+        refused because it cannot load. Called before each :meth:`step`, apart from it, so that a
+        step that raises loses no refusal."""
+        ...
+
     def step(self, flush: bool = False) -> StepOutput:
         """Run one forward pass if one is due. ``flush`` starts waiting requests without waiting
         for their batch to be due (shutdown)."""

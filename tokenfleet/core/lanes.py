@@ -24,7 +24,7 @@ def victims_for(
     """The lower-lane sequences whose preemption makes room for ``seq`` (lowest lane and youngest
     first), or none when even all of them would not: never preempt for nothing. A victim frees
     only the blocks no other sequence shares."""
-    needed = alloc.blocks_to_take(seq.all_tokens, extra_tokens=1, salt=seq.request.cache_salt)
+    needed = alloc.blocks_to_take(seq.all_tokens, extra_tokens=1, salt=seq.cache_salt)
     lower = [s for s in running if s.request.lane > seq.request.lane]
     reserve = len(running) + admitted_now
     chosen: list[SeqState] = []

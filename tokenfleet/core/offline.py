@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tokenfleet.core.interface import EngineCore, StepOutput, TokenOutput
 from tokenfleet.core.sequence import SeqState
@@ -48,7 +48,8 @@ def run_offline(
                 wake.append(now + max(0.0, ready - time.monotonic()))
             time.sleep(max(0.0, min(wake, default=now + 0.001) - clock()))
             continue
-        output = core.step()
+        refused = core.open_parked()
+        output = replace(core.step(), refused=refused)
         if on_step is not None:
             on_step(output)
         for out in output.tokens:

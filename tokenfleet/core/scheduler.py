@@ -124,7 +124,7 @@ class Scheduler:
     def _to_compute(self, seq: SeqState) -> int:
         """Tokens a prefill of ``seq`` would compute now: those the cache does not hold."""
         tokens = seq.all_tokens
-        cached = self.allocator.cached_prefix(tokens, seq.request.cache_salt)
+        cached = self.allocator.cached_prefix(tokens, seq.cache_salt)
         return len(tokens) - len(cached) * self.allocator.block_size
 
     def _resumes_first(self) -> bool:
@@ -149,7 +149,7 @@ class Scheduler:
         for it if that makes room."""
         alloc = self.allocator
         tokens = seq.all_tokens
-        salt = seq.request.cache_salt
+        salt = seq.cache_salt
         if not alloc.can_allocate(tokens, reserve_blocks=len(self.running) + admitted_now, salt=salt):
             if self.config.mode != "continuous":
                 return None

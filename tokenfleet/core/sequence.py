@@ -96,6 +96,14 @@ class SeqState:
         return self.request.top_k
 
     @property
+    def cache_salt(self) -> bytes:
+        """What its KV blocks are named under besides their tokens: a prefix computed under one
+        adapter (its name and directory) is never found for another, or for the base model."""
+        if self.request.adapter is None:
+            return b""
+        return b"adapter:" + self.request.adapter.encode() + b"\0" + (self.adapter_path or "").encode()
+
+    @property
     def all_tokens(self) -> list[int]:
         return self.prompt_ids + self.generated
 

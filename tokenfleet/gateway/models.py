@@ -2,11 +2,12 @@
 the LoRA adapters of the fleet's registry (``{P}:adapters``), as vLLM serves them: a request's
 ``model`` may name an adapter (its base must be served), ``/v1/models`` lists adapters with their
 base as ``parent``, and ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` add and remove
-them at run time (every worker of the base serves them, no restart). Both are looked up at most
-every few seconds."""
+them at run time (every worker of the base serves them, no restart), for an admin key only (they
+point workers at directories on their disks). Both are looked up at most every few seconds."""
 
 from __future__ import annotations
 
+import hmac
 import time
 from typing import Any
 
@@ -14,7 +15,7 @@ import redis
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
-from redis.exceptions import OutOfMemoryError
+from redis.exceptions import NoPermissionError, OutOfMemoryError
 
 from tokenfleet.errors import ProtocolError
 from tokenfleet.gateway.errors import APIError, api_error
@@ -107,12 +108,36 @@ class Adapters:
         return self._records
 
     async def add(self, record: AdapterRecord) -> None:
-        await self.redis.hset(self.keys.adapters, record.name, record.to_json())
+        try:
+            await self.redis.hset(self.keys.adapters, record.name, record.to_json())
+        except NoPermissionError as e:
+            raise self._not_allowed() from e
         self._at = float("-inf")
 
     async def remove(self, name: str) -> bool:
         self._at = float("-inf")
-        return bool(await self.redis.hdel(self.keys.adapters, name))
+        try:
+            return bool(await self.redis.hdel(self.keys.adapters, name))
+        except NoPermissionError as e:
+            raise self._not_allowed() from e
+
+    def _not_allowed(self) -> APIError:
+        message = (
+            f"the gateway's Redis user may not write the adapter registry ({self.keys.adapters}): "
+            "add adapters with `tokenfleet lora add` as an admin, or let the gateway's user write that key"
+        )
+        return APIError(403, message, "permission_error", "permission_denied")
+
+
+def require_admin(request: Request) -> None:
+    """403 unless the request carries one of the gateway's admin keys (--admin-keys)."""
+    admins = request.app.state.service.config.admins
+    if not admins:
+        message = "changing the fleet's adapters needs an admin key: start the gateway with --admin-keys"
+        raise APIError(403, message, "permission_error", "permission_denied")
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not any(hmac.compare_digest(given.strip(), k) for k in admins):
+        raise APIError(403, "this endpoint needs an admin key", "permission_error", "permission_denied")
 
 
 async def resolve(service: Any, model: str) -> tuple[str, str | None]:
@@ -145,6 +170,7 @@ class UnloadLoraAdapter(BaseModel):
 
 @router.post("/v1/load_lora_adapter", response_model=None)
 async def load_lora_adapter(body: LoadLoraAdapter, request: Request) -> PlainTextResponse:
+    require_admin(request)
     service = request.app.state.service
     try:
         check_adapter_name(body.lora_name)
@@ -171,6 +197,7 @@ async def load_lora_adapter(body: LoadLoraAdapter, request: Request) -> PlainTex
 
 @router.post("/v1/unload_lora_adapter", response_model=None)
 async def unload_lora_adapter(body: UnloadLoraAdapter, request: Request) -> PlainTextResponse:
+    require_admin(request)
     if not await request.app.state.service.adapters.remove(body.lora_name):
         message = f"the adapter {body.lora_name!r} is not loaded"
         raise APIError(404, message, "not_found_error", "not_found", "lora_name")

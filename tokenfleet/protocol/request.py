@@ -75,12 +75,6 @@ class Request:
         return self.processes_logits or self.logprobs is not None
 
     @property
-    def cache_salt(self) -> bytes:
-        """What its KV blocks are named under besides their tokens: a prefix computed under one
-        adapter is never found for another, or for the base model."""
-        return b"" if self.adapter is None else b"adapter:" + self.adapter.encode()
-
-    @property
     def lane(self) -> int:
         """The lane's rank: 0 is the highest."""
         return LANES.index(self.priority)

@@ -43,6 +43,9 @@ class Stepper:
         due); what it made and the seconds the step took."""
         self.tuning.apply()
         began = time.perf_counter()
+        refused = self.core.open_parked()
+        if refused:
+            self.publisher.publish(StepOutput(refused=refused))
         try:
             output = self.core.step(flush=flush)
         except Exception as e:  # a failed forward pass fails its sequences, never the worker

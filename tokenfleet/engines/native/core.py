@@ -19,7 +19,7 @@ from tokenfleet.core.front import CoreFront
 from tokenfleet.core.interface import BatchEvent, Capacity, StepOutput
 from tokenfleet.core.scheduler import Scheduler
 from tokenfleet.core.sequence import SeqState
-from tokenfleet.engines.native.lora.gate import AdapterGate
+from tokenfleet.engines.native.lora.gate import AdapterGate, adapter_key
 from tokenfleet.engines.native.types import PrefillResult, Runner
 from tokenfleet.protocol import Refusal
 from tokenfleet.protocol.adapters import AdapterRecord
@@ -66,7 +66,7 @@ class NativeCore(CoreFront):
     def preload(self, adapters: list[AdapterRecord]) -> None:
         if self.runner.lora is not None:
             for record in adapters[: len(self.runner.lora.names)]:
-                self.runner.lora.load(record.name, record.path)
+                self.runner.lora.load((record.name, record.path))
 
     def held(self) -> list[SeqState]:
         """Every sequence this core holds: running, preempted, waiting and parked."""
@@ -105,11 +105,10 @@ class NativeCore(CoreFront):
     def step(self, flush: bool = False) -> StepOutput:
         """Run one forward pass if any is due; returns what it produced. ``flush`` starts waiting
         requests without waiting for their batch to be due (shutdown)."""
-        refused = self._open_adapters()
         scheduled = self.scheduler.schedule(flush)
         batch = scheduled.batch
         if batch is None:
-            return StepOutput(preempted=scheduled.preempted, refused=refused)
+            return StepOutput(preempted=scheduled.preempted)
         masks = self.runner.start_masks(batch.seqs)  # grammar masks fill while the model runs
         slots = self.adapters.slots(batch.seqs)
         try:
@@ -126,13 +125,13 @@ class NativeCore(CoreFront):
         self.scheduler.ran()
         chosen = self.runner.choose_tokens(logits, batch.seqs, masks)
         advanced = self.scheduler.postprocess(batch, chosen.tokens, chosen.logprobs)
-        return StepOutput(advanced.tokens, scheduled.preempted, advanced.failed, [event], refused)
+        return StepOutput(advanced.tokens, scheduled.preempted, advanced.failed, [event])
 
-    def _open_adapters(self) -> list[tuple[SeqState, Refusal]]:
+    def open_parked(self) -> list[tuple[SeqState, Refusal]]:
         """Queue the parked sequences whose adapter is now resident; their refusals where it
         cannot load."""
-        in_use = {s.request.adapter for s in self.held() if s.request.adapter is not None}
-        opened = self.adapters.open(in_use)
+        in_use = {adapter_key(s) for s in [*self.running(), *self.waiting()]} - {None}
+        opened = self.adapters.open(in_use)  # type: ignore[arg-type]  # None removed above
         for seq, arrived in opened.ready:
             refusal = super().add(seq, arrived)
             if refusal is not None:

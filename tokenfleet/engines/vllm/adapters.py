@@ -10,8 +10,33 @@ from tokenfleet.engines.native.lora.adapter import AdapterError, check_adapter_f
 from tokenfleet.protocol import ErrorCode, Refusal
 
 
-def adapter_refusal(seq: SeqState, max_lora_rank: int) -> Refusal | None:
-    """Why ``seq``'s adapter cannot run on this vLLM engine (``max_lora_rank`` 0: LoRA is off)."""
+def decoder_linears(hf_config: Any) -> dict[str, tuple[int, int]] | None:
+    """A Llama-family model's decoder linears by module path, (in_features, out_features), from
+    its config; None for another family (its adapters' shapes are then left to vLLM)."""
+    try:
+        hidden, heads, ffn = hf_config.hidden_size, hf_config.num_attention_heads, hf_config.intermediate_size
+        layers = hf_config.num_hidden_layers
+    except AttributeError:
+        return None
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    shapes = {
+        "self_attn.q_proj": (hidden, heads * head_dim),
+        "self_attn.k_proj": (hidden, kv_heads * head_dim),
+        "self_attn.v_proj": (hidden, kv_heads * head_dim),
+        "self_attn.o_proj": (heads * head_dim, hidden),
+        "mlp.gate_proj": (hidden, ffn),
+        "mlp.up_proj": (hidden, ffn),
+        "mlp.down_proj": (ffn, hidden),
+    }
+    return {f"model.layers.{i}.{m}": shape for i in range(layers) for m, shape in shapes.items()}
+
+
+def adapter_refusal(
+    seq: SeqState, max_lora_rank: int, linears: dict[str, tuple[int, int]] | None = None
+) -> Refusal | None:
+    """Why ``seq``'s adapter cannot run on this vLLM engine (``max_lora_rank`` 0: LoRA is off;
+    ``linears``: the model's, to check the adapter's shapes against)."""
     name = seq.request.adapter
     if name is None:
         return None
@@ -20,17 +45,18 @@ def adapter_refusal(seq: SeqState, max_lora_rank: int) -> Refusal | None:
     if seq.adapter_path is None:
         return Refusal(ErrorCode.ADAPTER_UNAVAILABLE, f"no adapter {name!r} is known to this fleet")
     try:
-        check_adapter_files(seq.adapter_path, max_lora_rank)
+        check_adapter_files(seq.adapter_path, max_lora_rank, linears)
     except AdapterError as e:
         return Refusal(ErrorCode.ADAPTER_UNAVAILABLE, f"adapter {name!r} cannot be loaded: {e}")
     return None
 
 
 class LoraRequests:
-    """vLLM's ``LoRARequest`` for each sequence, one integer id per adapter name."""
+    """vLLM's ``LoRARequest`` for each sequence, one integer id per adapter name and directory
+    (vLLM caches an adapter's weights by id: a name added again with new files takes a new one)."""
 
     def __init__(self) -> None:
-        self._ids: dict[str, int] = {}
+        self._ids: dict[tuple[str, str | None], int] = {}
 
     def of(self, seq: SeqState) -> Any:
         name = seq.request.adapter
@@ -38,7 +64,7 @@ class LoraRequests:
             return None
         from vllm.lora.request import LoRARequest
 
-        lora_id = self._ids.setdefault(name, len(self._ids) + 1)
+        lora_id = self._ids.setdefault((name, seq.adapter_path), len(self._ids) + 1)
         return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=seq.adapter_path)
 
 

@@ -24,7 +24,12 @@ from tokenfleet.core.front import CoreFront
 from tokenfleet.core.interface import BatchEvent, Capacity, ModelFacts, StepOutput, TokenOutput
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.core.vocab import eos_token_ids
-from tokenfleet.engines.vllm.adapters import LoraRequests, adapter_refusal, keep_base_rows_base
+from tokenfleet.engines.vllm.adapters import (
+    LoraRequests,
+    adapter_refusal,
+    decoder_linears,
+    keep_base_rows_base,
+)
 from tokenfleet.engines.vllm.args import engine_args
 from tokenfleet.engines.vllm.controls import control_kwargs, vllm_logprobs
 from tokenfleet.protocol import Refusal, Request
@@ -69,6 +74,7 @@ class VllmCore(CoreFront):
         lora = engine.vllm_config.lora_config
         self.max_lora_rank = int(lora.max_lora_rank) if lora is not None else 0  # 0: adapters off
         self._loras = LoraRequests()
+        self._linears = decoder_linears(engine.model_config.hf_config)
         if lora is not None:
             keep_base_rows_base()
 
@@ -80,10 +86,13 @@ class VllmCore(CoreFront):
 
     def add(self, seq: SeqState, arrived: float) -> Refusal | None:
         """Queue ``seq``; the adapter it names is checked first."""
-        return adapter_refusal(seq, self.max_lora_rank) or super().add(seq, arrived)
+        return adapter_refusal(seq, self.max_lora_rank, self._linears) or super().add(seq, arrived)
 
     def preload(self, adapters: list[AdapterRecord]) -> None:
         pass  # vLLM loads an adapter with the first request that names it
+
+    def open_parked(self) -> list[tuple[SeqState, Refusal]]:
+        return []  # nothing is parked: vLLM queues a request while it loads its adapter
 
     @classmethod
     def from_config(cls, config: WorkerConfig) -> VllmCore:

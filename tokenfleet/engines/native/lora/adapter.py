@@ -12,10 +12,11 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+T = TypeVar("T")
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 # fields whose non-default value means PEFT computes something this engine does not
@@ -86,35 +87,43 @@ def load_adapter(
         raise AdapterError(f"{weights_path} holds no lora_A/lora_B weights")
     deltas = {}
     for module, (a, b) in pairs.items():
-        if module not in linears:
-            raise AdapterError(
-                f"the adapter targets {module!r}, which is not a linear of this model's layers"
-            )
-        in_features, out_features = linears[module]
-        rank = a.shape[0]
-        if (
-            a.dim() != 2
-            or b.dim() != 2
-            or tuple(a.shape) != (rank, in_features)
-            or tuple(b.shape) != (out_features, rank)
-        ):
-            raise AdapterError(
-                f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the model's "
-                f"linear ({in_features} in, {out_features} out)"
-            )
-        if rank > max_rank:
-            raise AdapterError(f"{module} has rank {rank}, above this worker's --max-lora-rank {max_rank}")
+        check_module(module, tuple(a.shape), tuple(b.shape), linears, max_rank)
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(f"{module}: the weights hold NaN or infinity")
         deltas[module] = ModuleDelta(
-            a.to(dtype).contiguous(), b.to(dtype).t().contiguous(), scale_of(config, module, rank)
+            a.to(dtype).contiguous(), b.to(dtype).t().contiguous(), scale_of(config, module, a.shape[0])
         )
     return Adapter(name, deltas)
 
 
-def check_adapter_files(directory: str, max_rank: int) -> None:
+def check_module(
+    module: str,
+    a_shape: tuple[int, ...],
+    b_shape: tuple[int, ...],
+    linears: dict[str, tuple[int, int]],
+    max_rank: int,
+) -> None:
+    """``module``'s lora_A and lora_B shapes fit the model's linear, at a rank within ``max_rank``."""
+    if module not in linears:
+        raise AdapterError(f"the adapter targets {module!r}, which is not a linear of this model's layers")
+    in_features, out_features = linears[module]
+    rank = a_shape[0] if a_shape else 0
+    if a_shape != (rank, in_features) or b_shape != (out_features, rank):
+        raise AdapterError(
+            f"{module}: lora_A {a_shape} and lora_B {b_shape} do not fit the model's "
+            f"linear ({in_features} in, {out_features} out)"
+        )
+    if rank > max_rank:
+        raise AdapterError(f"{module} has rank {rank}, above this worker's --max-lora-rank {max_rank}")
+
+
+def check_adapter_files(
+    directory: str, max_rank: int, linears: dict[str, tuple[int, int]] | None = None
+) -> None:
     """Without loading its weights: ``directory`` holds a PEFT LoRA adapter this engine's rules
-    allow, of rank at most ``max_rank`` (what a backend that loads adapters itself is handed)."""
+    allow, of rank at most ``max_rank``, whose weights fit ``linears`` (the model's, name ->
+    (in_features, out_features), when known): what a backend that loads adapters itself, and
+    would fail a whole step on a bad one, is handed."""
     config = read_config(Path(directory))
     pattern = config.get("rank_pattern") or {}
     ranks = [config.get("r", 8), *(pattern.values() if isinstance(pattern, dict) else [None])]
@@ -129,9 +138,17 @@ def check_adapter_files(directory: str, max_rank: int) -> None:
         from safetensors import safe_open
 
         with safe_open(str(weights), "pt") as f:
-            f.keys()
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118 (not a dict)
     except Exception as e:  # safetensors raises its own error types
         raise AdapterError(f"{weights} cannot be read: {e}") from None
+    pairs = paired(shapes)
+    if not pairs:
+        raise AdapterError(f"{weights} holds no lora_A/lora_B weights")
+    for module, (a_shape, b_shape) in pairs.items():
+        if linears is not None:
+            check_module(module, a_shape, b_shape, linears, max_rank)
+        elif len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1] or a_shape[0] > max_rank:
+            raise AdapterError(f"{module}: lora_A {a_shape} and lora_B {b_shape} are not a LoRA pair")
 
 
 def read_config(root: Path) -> dict[str, Any]:
@@ -154,9 +171,10 @@ def read_config(root: Path) -> dict[str, Any]:
     return config
 
 
-def paired(weights: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``{module: (A, B)}`` from PEFT's keys (``base_model.model.<module>.lora_A.weight``)."""
-    halves: dict[str, dict[str, torch.Tensor]] = {}
+def paired(weights: dict[str, T]) -> dict[str, tuple[T, T]]:
+    """``{module: (A, B)}`` from PEFT's keys (``base_model.model.<module>.lora_A.weight``), for
+    tensors or their shapes."""
+    halves: dict[str, dict[str, T]] = {}
     for key, tensor in weights.items():
         for half in ("lora_A", "lora_B"):
             marker = f".{half}."
