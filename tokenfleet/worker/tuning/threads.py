@@ -38,38 +38,49 @@ STEPS = {"prefill": 1, "decode": 4}  # steps timed at each count (a prefill is l
 
 class RunQueueWait:
     """The share of this process's threads' time spent runnable but waiting for a CPU, between
-    calls (Linux schedstat's run delay; 0 where it cannot be read)."""
+    calls (Linux schedstat's run delay; 0 where it cannot be read), less what its own side work
+    ran meanwhile (``counters``: cumulative nanoseconds waited and run by side work)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        counters: Callable[[], tuple[int, int]] | None = None,
+    ):
         self._clock = clock
-        self._last = (clock(), waited_ns())
+        self._counters = counters or schedstat_ns
+        self._last = (clock(), *self._counters())
 
     def share(self, threads: int) -> float:
-        now, waited = self._clock(), waited_ns()
-        (then, before), self._last = self._last, (now, waited)
-        if now <= then or waited < before:  # a thread that ended took its count along: look again
-            return 0.0
-        return (waited - before) / 1e9 / (now - then) / max(1, threads)
+        now, (waited, side_ran) = self._clock(), self._counters()
+        (then, waited_before, side_before), self._last = self._last, (now, waited, side_ran)
+        if now <= then or waited < waited_before or side_ran < side_before:
+            return 0.0  # a thread that ended took its count along: look again
+        # our side work (an adapter loading) takes its CPU from our compute threads, not a
+        # neighbour: the compute threads' wait it caused is no reason to give up a core
+        net = max(0, (waited - waited_before) - (side_ran - side_before))
+        return net / 1e9 / (now - then) / max(1, threads)
 
 
-def waited_ns() -> int:
-    """Nanoseconds this process's threads have waited on a run queue (``/proc/self/task``), side
-    work left out (an adapter loading waits behind our own compute, not a neighbour's)."""
-    total = 0
+def schedstat_ns() -> tuple[int, int]:
+    """Nanoseconds this process's compute threads have waited on a run queue, and nanoseconds its
+    side-work threads have run (``/proc/self/task/*/schedstat``)."""
+    waited = side_ran = 0
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
-        return 0
+        return 0, 0
     side = {str(tid) for tid in side_work_threads()}
     for task in tasks:
-        if task in side:
-            continue
         try:
             with open(f"/proc/self/task/{task}/schedstat") as f:
-                total += int(f.read().split()[1])
-        except (OSError, IndexError, ValueError):
+                ran, wait = (int(v) for v in f.read().split()[:2])
+        except (OSError, ValueError):
             continue  # a thread that just ended
-    return total
+        if task in side:
+            side_ran += ran
+        else:
+            waited += wait
+    return waited, side_ran
 
 
 @dataclass

@@ -34,6 +34,7 @@ class LoraStep:
 
     rows: torch.Tensor | None = None
     weights: dict[str, SlotWeights] = field(default_factory=dict)  # by the adapted linear's name
+    version: int = 0  # moved on whenever a slot's weights change (what the linears' lists follow)
 
 
 class LoraLinear(nn.Module):
@@ -45,17 +46,32 @@ class LoraLinear(nn.Module):
         self.base = base
         self.parts = parts
         self.step = step
+        self.offsets = [offset for _, offset in parts]
+        self._lists: tuple[int, list[torch.Tensor], list[torch.Tensor], list[float]] | None = None
 
     def forward(self, x: torch.Tensor) -> Any:
         y = self.base(x)
         rows = self.step.rows
         if rows is None:
             return y
+        _, shrink, expand, scale = self._slot_lists()
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-        for name, offset in self.parts:
-            w = self.step.weights[name]
-            torch.ops.tokenfleet.lora_delta_(y2, x2, w.shrink, w.expand, w.scale, rows, offset)
+        # every part in one call: one parallel region for them all
+        torch.ops.tokenfleet.lora_delta_(y2, x2, shrink, expand, scale, rows, self.offsets)
         return y
+
+    def _slot_lists(self) -> tuple[int, list[torch.Tensor], list[torch.Tensor], list[float]]:
+        """Each part's slot weights in one list (part by part), built again only after a slot
+        changed: a decode step calls this linear for every layer."""
+        if self._lists is None or self._lists[0] != self.step.version:
+            weights = [self.step.weights[name] for name, _ in self.parts]
+            self._lists = (
+                self.step.version,
+                [t for w in weights for t in w.shrink],
+                [t for w in weights for t in w.expand],
+                [c for w in weights for c in w.scale],
+            )
+        return self._lists
 
 
 def adaptable_linears(model: Any) -> dict[str, tuple[int, int]]:

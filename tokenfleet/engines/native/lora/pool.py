@@ -142,6 +142,7 @@ class LoraPool:
             weights.shrink[slot] = weights.expand[slot] = torch.empty(0, 0, dtype=self.dtype)
             weights.scale[slot] = 0.0
         self.names[slot] = None
+        self.step.version += 1
         return slot
 
     def _install(self, slot: int, key: AdapterKey, adapter: Adapter) -> None:
@@ -152,6 +153,7 @@ class LoraPool:
             weights.scale[slot] = delta.scale
         self.names[slot] = key
         self._used[key] = None
+        self.step.version += 1
         ranks = sorted({d.rank for d in adapter.deltas.values()})
         log.info(
             "adapter %s in slot %d: %d linears, rank %s, %.1f MiB (installed in %.1f ms)",
