@@ -85,16 +85,18 @@ class Bench:
                 extras.append((extra, time.perf_counter()))
             loading = self.runner.lora.reading > 0
             begin = time.perf_counter()
+            refused = self.core.open_parked()  # as the worker does before each step
             out = self.core.step()
             seconds = time.perf_counter() - begin
-            if out.failed or out.refused:
-                raise SystemExit(f"requests failed: {out.failed or out.refused}")
+            if out.failed or refused:
+                raise SystemExit(f"requests failed: {out.failed or refused}")
             steps += 1
             waits += [time.perf_counter() - t for s, t in extras if s.finished]
             extras = [(s, t) for s, t in extras if not s.finished]
             if [(b.kind, b.size) for b in out.batches] == [("decode", ROWS)]:  # the eight alone
                 times[loading].append(seconds)
         while self.core.has_work:  # adapter requests still held: finish them
+            self.core.open_parked()
             self.core.step()
             waits += [time.perf_counter() - t for s, t in extras if s.finished]
             extras = [(s, t) for s, t in extras if not s.finished]

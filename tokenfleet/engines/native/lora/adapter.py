@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from tokenfleet.engines.native.lora.files import SafetensorsError, read_tensors, shapes
+
 T = TypeVar("T")
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -72,15 +74,12 @@ def load_adapter(
     name -> (in_features, out_features). Raises :class:`AdapterError` saying why it cannot run."""
     root = Path(directory)
     config = read_config(root)
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     weights_path = root / WEIGHTS
     if not weights_path.is_file():
         raise AdapterError(f"{directory} has no {WEIGHTS} (a pickled .bin is never loaded: convert it)")
     try:
-        weights = load_file(str(weights_path))
-    except (SafetensorError, OSError, ValueError) as e:
+        weights = read_tensors(weights_path)
+    except (SafetensorsError, OSError) as e:
         raise AdapterError(f"{weights_path} cannot be read: {e}") from None
     pairs = paired(weights)
     if not pairs:
@@ -90,8 +89,8 @@ def load_adapter(
         check_module(module, tuple(a.shape), tuple(b.shape), linears, max_rank)
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(f"{module}: the weights hold NaN or infinity")
-        deltas[module] = ModuleDelta(
-            a.to(dtype).contiguous(), b.to(dtype).t().contiguous(), scale_of(config, module, a.shape[0])
+        deltas[module] = ModuleDelta(  # copies: the file's buffer is let go
+            a.to(dtype, copy=True), b.to(dtype).t().contiguous(), scale_of(config, module, a.shape[0])
         )
     return Adapter(name, deltas)
 
@@ -135,13 +134,9 @@ def check_adapter_files(
     if not weights.is_file():
         raise AdapterError(f"{directory} has no {WEIGHTS} (a pickled .bin is never loaded: convert it)")
     try:  # the header only: a truncated or corrupt file fails here, not in the backend's step
-        from safetensors import safe_open
-
-        with safe_open(str(weights), "pt") as f:
-            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118 (not a dict)
-    except Exception as e:  # safetensors raises its own error types
+        pairs = paired(shapes(weights))
+    except (SafetensorsError, OSError) as e:
         raise AdapterError(f"{weights} cannot be read: {e}") from None
-    pairs = paired(shapes)
     if not pairs:
         raise AdapterError(f"{weights} holds no lora_A/lora_B weights")
     for module, (a_shape, b_shape) in pairs.items():
