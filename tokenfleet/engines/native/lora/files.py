@@ -38,7 +38,7 @@ def read_header(path: Path, size: int, head: bytes | bytearray) -> tuple[dict[st
     data = size - 8 - length
     for name, info in header.items():
         shape, offsets = _field(info, "shape"), _field(info, "data_offsets")
-        dtype = DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
+        dtype = DTYPES.get(str(info.get("dtype"))) if isinstance(info, dict) else None
         ok = dtype is not None and all(isinstance(n, int) and n >= 0 for n in [*shape, *offsets])
         if not ok or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1] <= data:
             raise SafetensorsError(f"{path}: tensor {name!r} has a bad entry {info!r}")
