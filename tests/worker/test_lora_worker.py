@@ -14,11 +14,11 @@ import httpx
 import openai
 import pytest
 from click.testing import CliRunner
-from conftest import worker_process
+from conftest import make_runner, worker_process
 from lora_adapters import ALL, PeftReference, make_adapter
 
 from tokenfleet.cli import main
-from tokenfleet.config import DynamicBatchingConfig
+from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
 from tokenfleet.errors import RequestFailed
 from tokenfleet.producer import Client
 from tokenfleet.protocol import ErrorCode, Keys
@@ -26,6 +26,15 @@ from tokenfleet.protocol.adapters import AdapterRecord
 
 BATCHING = DynamicBatchingConfig(max_wait_ms=10, max_batch_size=8, max_seq_len=4096, buckets=(16, 64))
 MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model):
+    """A runner of this module's own (``run_worker`` takes it): the adapters these tests load stay
+    out of the session's shared runner, whose workers other tests read (no adapters resident)."""
+    return make_runner(
+        tiny_model, device="cpu", dtype="float32", kv=KVCacheConfig(block_size=4, num_blocks=2048)
+    )
 
 
 @pytest.fixture(scope="module")
