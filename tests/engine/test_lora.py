@@ -45,8 +45,10 @@ def peft(tiny_model) -> PeftReference:
     return PeftReference(tiny_model)
 
 
-def seq_of(runner, key: str, ids: list[int], adapter: str | None, path: str | None) -> SeqState:
-    request = Request(id=key, input_ids=tuple(ids), max_new_tokens=NEW, ignore_eos=True, adapter=adapter)
+def seq_of(
+    runner, key: str, ids: list[int], adapter: str | None, path: str | None, new: int = NEW
+) -> SeqState:
+    request = Request(id=key, input_ids=tuple(ids), max_new_tokens=new, ignore_eos=True, adapter=adapter)
     return SeqState(
         key, request, list(ids), runner.tokenizer, runner.eos_token_ids, time.time(), adapter_path=path
     )
@@ -255,3 +257,40 @@ def test_a_name_added_again_with_new_files_serves_the_new_weights(tiny_model, pe
     assert again.cached_tokens > 0 and second.cached_tokens == 0
     assert first.generated == again.generated == peft.greedy(old, ids, NEW)
     assert second.generated == peft.greedy(new, ids, NEW) != first.generated
+
+
+@pytest.mark.timeout(300)
+def test_one_slot_takes_turns_between_adapters_asked_for_at_once(tiny_model, peft, reference, tmp_path):
+    """One slot, five adapters with requests all waiting at once (their loads finish while others
+    run): each adapter gets its turn, none is swapped out before its requests ran, every answer
+    equals PEFT's."""
+    paths = {
+        f"t{i}": make_adapter(tiny_model, tmp_path / f"t{i}", 8, ["v_proj"], seed=90 + i) for i in range(5)
+    }
+    runner = make_runner(
+        tiny_model,
+        device="cpu",
+        dtype="float32",
+        max_loras=1,
+        kv=KVCacheConfig(block_size=4, num_blocks=1024),
+    )
+    batching = DynamicBatchingConfig(
+        mode="continuous", max_wait_ms=0, max_batch_size=8, max_seq_len=256, buckets=(64,)
+    )
+    core = NativeCore(runner, batching, clock=lambda: 1e9)
+    ids = reference.ids("turns")
+    # long enough that every load is done while the first adapter still runs: the next two are both
+    # ready when its slot frees (the case where one was swapped out before it ever ran)
+    seqs = [seq_of(runner, f"{n}-{j}", ids, n, p, new=80) for j in range(3) for n, p in paths.items()]
+    for seq in seqs:
+        assert core.add(seq, time.monotonic()) is None
+    for _ in range(20000):
+        if not core.held():
+            break
+        assert not core.open_parked()
+        if not core.step().tokens:
+            time.sleep(0.001)  # an adapter loads on its thread
+    assert all(s.finished for s in seqs), [s.key for s in seqs if not s.finished]
+    expected = {name: peft.greedy(path, ids, 80) for name, path in paths.items()}
+    for seq in seqs:
+        assert seq.generated == expected[seq.request.adapter], seq.key

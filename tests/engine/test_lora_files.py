@@ -20,7 +20,7 @@ def test_the_tensors_equal_safetensors_own_reading(tmp_path):
         "empty": torch.empty(0, 4),
     }
     save_file(tensors, str(path), metadata={"format": "pt"})
-    got, want = read_tensors(path), load_file(str(path))
+    got, want = read_tensors(path, 1 << 20), load_file(str(path))
     assert got.keys() == want.keys()
     for name in want:
         assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name])
@@ -41,7 +41,7 @@ def test_a_header_that_lies_about_its_bytes_is_refused(tmp_path, entry, why):
     path = tmp_path / "bad.safetensors"
     path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(64))
     with pytest.raises(SafetensorsError, match=why):
-        read_tensors(path)
+        read_tensors(path, 1 << 20)
 
 
 def test_a_file_cut_short_is_refused(tmp_path):
@@ -49,6 +49,13 @@ def test_a_file_cut_short_is_refused(tmp_path):
     save_file({"t": torch.randn(64, 64)}, str(path))
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(SafetensorsError):
-        read_tensors(path)
+        read_tensors(path, 1 << 20)
     with pytest.raises(SafetensorsError):
         shapes(path)
+
+
+def test_a_file_larger_than_any_adapter_here_is_refused_unread(tmp_path):
+    path = tmp_path / "huge.safetensors"
+    save_file({"t": torch.randn(64, 64)}, str(path))
+    with pytest.raises(SafetensorsError, match="more than such a file can hold"):
+        read_tensors(path, 1024)

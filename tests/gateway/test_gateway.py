@@ -139,6 +139,8 @@ def test_errors_come_in_openais_shape_with_the_status_clients_act_on(
     ok = openai.OpenAI(base_url=keyed.url + "/v1", api_key="k2", max_retries=0)
     assert ok.models.list().data == []  # the worker stopped: it serves nothing now
     assert httpx.get(keyed.url + "/health").status_code == 200  # probes need no key
+    odd = httpx.get(keyed.url + "/v1/models", headers={"Authorization": "Bearer ключ".encode()})
+    assert odd.status_code == 401  # a key beyond ASCII is a wrong key, not a server error
 
 
 def test_a_full_queue_is_429_and_a_request_past_its_time_504(gateways, prefix, r):

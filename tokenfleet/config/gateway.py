@@ -65,7 +65,8 @@ class GatewayConfig:
     @property
     def keys(self) -> frozenset[str]:
         """The accepted API keys, admins' included (empty: no key needed)."""
-        return _split(self.api_keys) | self.admins if self.api_keys else frozenset()
+        keys = _split(self.api_keys)
+        return keys | self.admins if keys else frozenset()
 
     @property
     def admins(self) -> frozenset[str]:

@@ -134,8 +134,9 @@ class _Guard:
 
     def _authorized(self, headers: Headers) -> bool:
         scheme, _, given = headers.get("authorization", "").partition(" ")
+        given_bytes = given.strip().encode()  # compare_digest refuses str beyond ASCII
         return scheme.lower() == "bearer" and any(
-            hmac.compare_digest(given.strip(), key) for key in self.keys
+            hmac.compare_digest(given_bytes, key.encode()) for key in self.keys
         )
 
 

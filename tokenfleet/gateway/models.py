@@ -136,7 +136,8 @@ def require_admin(request: Request) -> None:
         message = "changing the fleet's adapters needs an admin key: start the gateway with --admin-keys"
         raise APIError(403, message, "permission_error", "permission_denied")
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not any(hmac.compare_digest(given.strip(), k) for k in admins):
+    given_bytes = given.strip().encode()  # compare_digest refuses str beyond ASCII
+    if scheme.lower() != "bearer" or not any(hmac.compare_digest(given_bytes, k.encode()) for k in admins):
         raise APIError(403, "this endpoint needs an admin key", "permission_error", "permission_denied")
 
 

@@ -94,7 +94,8 @@ class Embedder:
         self.pipeline = read_pipeline(directory)
         self.tokenizer = AutoTokenizer.from_pretrained(directory)
         self.model = AutoModel.from_pretrained(directory, dtype=dtype).eval()
-        limits = [n for n in (self.pipeline.max_seq_length, self.tokenizer.model_max_length) if n]
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        limits = [n for n in (self.pipeline.max_seq_length, self.tokenizer.model_max_length, positions) if n]
         self.max_tokens = min(limits) if limits else 512
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
@@ -138,8 +139,8 @@ class Embedder:
 
 def pool(tokens: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
     """sentence-transformers' pooling of ``tokens`` [batch, length, hidden] under ``mask``."""
-    if mode == "cls_token":
-        return tokens[:, 0]
+    if mode == "cls_token":  # the first attended position (a left-padded batch starts with padding)
+        return tokens[torch.arange(tokens.shape[0]), mask.argmax(1)]
     if mode == "lasttoken":  # the last attended position, whichever side the padding is on
         seen, flipped = mask.flip(1).max(1)
         last = tokens.shape[1] - 1 - torch.where(seen == 0, tokens.shape[1] - 1, flipped)

@@ -9,10 +9,15 @@ from tokenfleet.core.sequence import SeqState
 from tokenfleet.engines.native.lora.adapter import AdapterError, check_adapter_files
 from tokenfleet.protocol import ErrorCode, Refusal
 
+LLAMA_LAYOUT = ("llama", "mistral", "qwen2", "qwen3")  # q/k/v/o and gate/up/down, unfused, no experts
+
 
 def decoder_linears(hf_config: Any) -> dict[str, tuple[int, int]] | None:
-    """A Llama-family model's decoder linears by module path, (in_features, out_features), from
-    its config; None for another family (its adapters' shapes are then left to vLLM)."""
+    """A Llama-layout model's decoder linears by module path, (in_features, out_features), from
+    its config; None for another family (Phi-3's fused qkv_proj, mixtures of experts: their
+    adapters' shapes are left to vLLM)."""
+    if getattr(hf_config, "model_type", None) not in LLAMA_LAYOUT:
+        return None
     try:
         hidden, heads, ffn = hf_config.hidden_size, hf_config.num_attention_heads, hf_config.intermediate_size
         layers = hf_config.num_hidden_layers

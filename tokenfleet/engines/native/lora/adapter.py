@@ -77,8 +77,10 @@ def load_adapter(
     weights_path = root / WEIGHTS
     if not weights_path.is_file():
         raise AdapterError(f"{directory} has no {WEIGHTS} (a pickled .bin is never loaded: convert it)")
+    # the most bytes an adapter of these linears at --max-lora-rank holds (float64, with a header)
+    largest = 8 * max_rank * sum(i + o for i, o in linears.values()) + (1 << 20)
     try:
-        weights = read_tensors(weights_path)
+        weights = read_tensors(weights_path, largest)
     except (SafetensorsError, OSError) as e:
         raise AdapterError(f"{weights_path} cannot be read: {e}") from None
     pairs = paired(weights)
@@ -89,8 +91,12 @@ def load_adapter(
         check_module(module, tuple(a.shape), tuple(b.shape), linears, max_rank)
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(f"{module}: the weights hold NaN or infinity")
-        deltas[module] = ModuleDelta(  # copies: the file's buffer is let go
-            a.to(dtype, copy=True), b.to(dtype).t().contiguous(), scale_of(config, module, a.shape[0])
+        deltas[module] = (
+            ModuleDelta(  # copies (even where already in dtype and layout): the file's buffer is let go
+                a.to(dtype, copy=True),
+                b.to(dtype).t().clone(memory_format=torch.contiguous_format),
+                scale_of(config, module, a.shape[0]),
+            )
         )
     return Adapter(name, deltas)
 
@@ -107,7 +113,7 @@ def check_module(
         raise AdapterError(f"the adapter targets {module!r}, which is not a linear of this model's layers")
     in_features, out_features = linears[module]
     rank = a_shape[0] if a_shape else 0
-    if a_shape != (rank, in_features) or b_shape != (out_features, rank):
+    if rank < 1 or a_shape != (rank, in_features) or b_shape != (out_features, rank):
         raise AdapterError(
             f"{module}: lora_A {a_shape} and lora_B {b_shape} do not fit the model's "
             f"linear ({in_features} in, {out_features} out)"
@@ -142,7 +148,12 @@ def check_adapter_files(
     for module, (a_shape, b_shape) in pairs.items():
         if linears is not None:
             check_module(module, a_shape, b_shape, linears, max_rank)
-        elif len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1] or a_shape[0] > max_rank:
+        elif (
+            len(a_shape) != 2
+            or len(b_shape) != 2
+            or a_shape[0] != b_shape[1]
+            or not 1 <= a_shape[0] <= max_rank
+        ):
             raise AdapterError(f"{module}: lora_A {a_shape} and lora_B {b_shape} are not a LoRA pair")
 
 

@@ -62,12 +62,21 @@ def shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return {name: tuple(info["shape"]) for name, info in header.items()}
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the file, as views of one buffer it is read into."""
+def read_tensors(path: Path, max_bytes: int) -> dict[str, torch.Tensor]:
+    """Every tensor of the file, as views of one buffer it is read into; a file over
+    ``max_bytes`` is refused before any is read."""
     size = path.stat().st_size
+    if size > max_bytes:
+        raise SafetensorsError(f"{path}: {size} bytes, more than such a file can hold here ({max_bytes})")
     buffer = bytearray(size)
+    view, read = memoryview(buffer), 0
     with open(path, "rb", buffering=0) as f:
-        read = f.readinto(buffer)  # the GIL is let go while the bytes come in
+        while read < size:  # the GIL is let go while the bytes come in; a read stops at 2 GiB
+            got = f.readinto(view[read:])
+            if not got:
+                break
+            read += got
+    view.release()
     if read != size:
         raise SafetensorsError(f"{path}: read {read} of {size} bytes (the file changed meanwhile)")
     header, start = read_header(path, size, buffer)

@@ -91,7 +91,7 @@ class AdapterGate:
         opened = Opened()
         if self.pool is None or not self.has_news:
             return opened
-        news = self.pool.poll(in_use | (set(self._parked) - {self.pool.draining}))
+        news = self.pool.poll(in_use, set(self._parked) - {self.pool.draining})
         for key, why in news.failed:
             refusal = Refusal(ErrorCode.ADAPTER_UNAVAILABLE, f"adapter {key[0]!r} cannot be loaded: {why}")
             opened.refused += [(seq, refusal) for seq, _ in self._parked.pop(key, [])]

@@ -97,10 +97,14 @@ class LoraPool:
         """A load has finished (installing it is due), or one waits for a slot."""
         return bool(self._ready) or any(f.done() for f in self._loading.values())
 
-    def poll(self, in_use: set[AdapterKey]) -> PoolNews:
-        """Install finished loads, evicting the least recently used adapters that no sequence in
-        ``in_use`` names; loads that failed are reported with why. When every slot is in use, the
-        least recently used adapter starts :attr:`draining`."""
+    def poll(
+        self, in_use: set[AdapterKey], wanted: set[AdapterKey] | frozenset[AdapterKey] = frozenset()
+    ) -> PoolNews:
+        """Install finished loads, evicting the least recently used adapters that no running or
+        waiting sequence (``in_use``) names and none parked sequences wait for (``wanted``); loads
+        that failed are reported with why. When every slot is taken, the least recently used
+        adapter that sequences run under starts :attr:`draining` (never one whose sequences are
+        all parked: one just installed would be swapped out before it ever ran)."""
         news = PoolNews()
         for key, future in list(self._loading.items()):
             if not future.done():
@@ -115,11 +119,12 @@ class LoraPool:
                 if last is None or time.monotonic() - last[0] >= RETRY_FAILED_S:  # a read, not the memo
                     self._failed[key] = (time.monotonic(), why)
         for key in list(self._ready):
-            slot = self._free_slot(in_use)
+            slot = self._free_slot(in_use | wanted)
             if slot is None:  # every slot holds an adapter in use: it waits for one to finish
-                if self.draining is None and self._used:
-                    self.draining = next(iter(self._used))
-                    log.info("adapter %s drains: %s waits for its slot", self.draining[0], key[0])
+                if self.draining is None:
+                    self.draining = next((k for k in self._used if k in in_use), None)
+                    if self.draining is not None:
+                        log.info("adapter %s drains: %s waits for its slot", self.draining[0], key[0])
                 break
             self._install(slot, key, self._ready.pop(key))
             news.loaded.append(key)
