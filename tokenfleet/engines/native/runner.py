@@ -85,7 +85,8 @@ class ModelRunner:
         graphed = engine.cuda_graphs and self.use_triton
         self.graphs = self._decode_graphs(batching.max_seq_len) if graphed else None
         # LoRA in eager CPU steps, on the C++ kernel (linears read before the lean forward fuses them)
-        adapters = engine.max_loras > 0 and not engine.compile and on_cpu and load_kernels() is not None
+        slots = engine.lora_slots("native")
+        adapters = slots > 0 and not engine.compile and on_cpu and load_kernels() is not None
         linears = adaptable_linears(self.model) if adapters else {}
         # eager CPU steps run the lean forward where the architecture allows (compiled ones fuse themselves)
         self.lean = lean_decoder(self.model) if self.use_kernel and not engine.compile else None
@@ -94,9 +95,7 @@ class ModelRunner:
         )
         pack_for_route(self.model, route, self.dtype)
         self.lora = (
-            attach_lora(self.model, linears, engine.max_loras, engine.max_lora_rank, self.dtype)
-            if adapters
-            else None
+            attach_lora(self.model, linears, slots, engine.max_lora_rank, self.dtype) if adapters else None
         )
         buckets = len(self.decode_buckets)
         self.compiled_decode, self.compiled_prefill = compile_steps(

@@ -46,7 +46,8 @@ def adapter_refusal(
     if name is None:
         return None
     if not max_lora_rank:
-        return Refusal(ErrorCode.ADAPTER_UNAVAILABLE, "this worker serves no adapters (--max-loras 0)")
+        message = "this worker serves no adapters (vLLM's LoRA is off: start it with --lora or --max-loras N)"
+        return Refusal(ErrorCode.ADAPTER_UNAVAILABLE, message)
     if seq.adapter_path is None:
         return Refusal(ErrorCode.ADAPTER_UNAVAILABLE, f"no adapter {name!r} is known to this fleet")
     try:

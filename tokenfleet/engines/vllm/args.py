@@ -59,7 +59,8 @@ def lora_args(config: WorkerConfig) -> dict[str, Any]:
     """vLLM's LoRA settings from ``--max-loras`` and ``--max-lora-rank`` (the rank rounded up to
     one vLLM takes); none where the worker serves no adapters."""
     engine = config.engine
-    if engine.max_loras <= 0:
+    slots = engine.lora_slots("vllm")
+    if slots <= 0:
         return {}
     rank = next((r for r in VLLM_LORA_RANKS if r >= engine.max_lora_rank), VLLM_LORA_RANKS[-1])
-    return {"enable_lora": True, "max_loras": engine.max_loras, "max_lora_rank": rank}
+    return {"enable_lora": True, "max_loras": slots, "max_lora_rank": rank}
