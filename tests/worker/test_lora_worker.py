@@ -23,6 +23,7 @@ from tokenfleet.errors import RequestFailed
 from tokenfleet.producer import Client
 from tokenfleet.protocol import ErrorCode, Keys
 from tokenfleet.protocol.adapters import AdapterRecord
+from tokenfleet.transport.status import fleet_status
 
 BATCHING = DynamicBatchingConfig(max_wait_ms=10, max_batch_size=8, max_seq_len=4096, buckets=(16, 64))
 MODEL = "tiny"
@@ -164,3 +165,48 @@ def test_openai_python_asks_for_an_adapter_as_its_model(run_worker, gateways, ad
         time.sleep(2.5)  # the gateway's view of the registry is a moment old
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="support", prompt=prompt, max_tokens=4)
+
+
+@pytest.mark.timeout(300)
+def test_an_adapter_added_at_run_time_is_served_by_every_worker_of_the_base(
+    run_worker, redis_url, prefix, r, tiny_model, model_path, adapter_dirs, peft, reference
+):
+    """Two live workers, then `tokenfleet lora add`: requests for the new adapter spread by their
+    cache keys over both workers' shards, and each worker answers some of them, as PEFT would."""
+    other = worker_process(
+        tiny_model,
+        redis_url,
+        prefix,
+        *("--served-model-name", MODEL, "--buckets", "16,64", "--max-seq-len", "4096"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        with run_worker(BATCHING, served_model_name=MODEL) as running:
+            deadline = time.monotonic() + 120
+
+            def owners() -> int:  # workers that own shards of the buckets (requests go by shard)
+                running.worker.upkeep.heartbeat(force=True)
+                return sum(w["shards_owned"] > 0 for w in fleet_status(r, Keys(prefix))["workers"])
+
+            while owners() < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert owners() == 2, "the second worker never took shards"
+            flags = ["--base", MODEL, "--prefix", prefix, "--redis-url", redis_url]
+            added = CliRunner().invoke(main, ["lora", "add", "legal", adapter_dirs["legal"], *flags])
+            assert added.exit_code == 0, added.output
+            client = Client(redis_url, model=str(model_path), prefix=prefix, buckets=[16, 64])
+            ids = reference.ids("every worker")
+            handles = [
+                client.submit(
+                    input_ids=ids, max_new_tokens=4, ignore_eos=True, adapter="legal", cache_key=f"k{i}"
+                )
+                for i in range(24)
+            ]
+            results = [h.result(timeout=120) for h in handles]
+            running.assert_healthy()
+    finally:
+        other.kill()
+        other.wait(10)
+    assert len({res.worker for res in results}) == 2, [res.worker for res in results]
+    assert all(res.token_ids == peft.greedy(adapter_dirs["legal"], ids, 4) for res in results)
