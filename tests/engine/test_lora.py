@@ -182,6 +182,24 @@ def qwen_like(tmp_path_factory) -> str:
     return build_family("qwen2", tmp_path_factory.mktemp("other") / "qwen2")
 
 
+def slotted_core(tiny_model: str, slots: int) -> NativeCore:
+    """A continuous-batching core on a runner of its own with ``slots`` adapter slots."""
+    kv = KVCacheConfig(block_size=4, num_blocks=1024)
+    runner = make_runner(tiny_model, device="cpu", dtype="float32", max_loras=slots, kv=kv)
+    batching = DynamicBatchingConfig(
+        mode="continuous", max_wait_ms=0, max_batch_size=8, max_seq_len=256, buckets=(64,)
+    )
+    return NativeCore(runner, batching, clock=lambda: 1e9)
+
+
+def step_loaded(core: NativeCore) -> None:
+    """One step as the worker takes it (parked sequences opened first), or a moment's wait while
+    an adapter loads on its thread; every adapter in these tests loads."""
+    assert not core.open_parked()
+    if not core.step().tokens:
+        time.sleep(0.001)
+
+
 @pytest.mark.timeout(300)
 def test_steady_traffic_to_resident_adapters_cannot_starve_a_cold_one(tiny_model, peft, reference, tmp_path):
     """Two slots, each held by an adapter that always has requests in flight: a third adapter's
@@ -190,17 +208,8 @@ def test_steady_traffic_to_resident_adapters_cannot_starve_a_cold_one(tiny_model
     paths = {
         f"s{i}": make_adapter(tiny_model, tmp_path / f"s{i}", 8, ["q_proj"], seed=70 + i) for i in range(3)
     }
-    runner = make_runner(
-        tiny_model,
-        device="cpu",
-        dtype="float32",
-        max_loras=2,
-        kv=KVCacheConfig(block_size=4, num_blocks=1024),
-    )
-    batching = DynamicBatchingConfig(
-        mode="continuous", max_wait_ms=0, max_batch_size=8, max_seq_len=256, buckets=(64,)
-    )
-    core = NativeCore(runner, batching, clock=lambda: 1e9)
+    core = slotted_core(tiny_model, 2)
+    runner = core.runner
     ids = reference.ids("steady traffic")
     seqs: list[SeqState] = []
 
@@ -209,11 +218,6 @@ def test_steady_traffic_to_resident_adapters_cannot_starve_a_cold_one(tiny_model
         assert core.add(seqs[-1], time.monotonic()) is None
         return seqs[-1]
 
-    def step() -> None:
-        assert not core.open_parked()  # every adapter here loads
-        if not core.step().tokens:
-            time.sleep(0.002)  # an adapter loads on its thread
-
     cold = None
     for _ in range(5000):
         for name in ("s0", "s1"):  # steady: each always has requests held
@@ -221,14 +225,14 @@ def test_steady_traffic_to_resident_adapters_cannot_starve_a_cold_one(tiny_model
                 add(name)
         if cold is None and set(core.adapters.resident()) == {"s0", "s1"}:
             cold = add("s2")
-        step()
+        step_loaded(core)
         if cold is not None and cold.finished:
             break
     assert cold is not None and cold.finished, "the cold adapter never got a slot"
     for _ in range(5000):
         if not core.held():
             break
-        step()
+        step_loaded(core)
     assert all(s.finished for s in seqs)
     expected = {name: peft.greedy(path, ids, NEW) for name, path in paths.items()}
     for seq in seqs:
@@ -267,17 +271,8 @@ def test_one_slot_takes_turns_between_adapters_asked_for_at_once(tiny_model, pef
     paths = {
         f"t{i}": make_adapter(tiny_model, tmp_path / f"t{i}", 8, ["v_proj"], seed=90 + i) for i in range(5)
     }
-    runner = make_runner(
-        tiny_model,
-        device="cpu",
-        dtype="float32",
-        max_loras=1,
-        kv=KVCacheConfig(block_size=4, num_blocks=1024),
-    )
-    batching = DynamicBatchingConfig(
-        mode="continuous", max_wait_ms=0, max_batch_size=8, max_seq_len=256, buckets=(64,)
-    )
-    core = NativeCore(runner, batching, clock=lambda: 1e9)
+    core = slotted_core(tiny_model, 1)
+    runner = core.runner
     ids = reference.ids("turns")
     # long enough that every load is done while the first adapter still runs: the next two are both
     # ready when its slot frees (the case where one was swapped out before it ever ran)
@@ -287,9 +282,7 @@ def test_one_slot_takes_turns_between_adapters_asked_for_at_once(tiny_model, pef
     for _ in range(20000):
         if not core.held():
             break
-        assert not core.open_parked()
-        if not core.step().tokens:
-            time.sleep(0.001)  # an adapter loads on its thread
+        step_loaded(core)
     assert all(s.finished for s in seqs), [s.key for s in seqs if not s.finished]
     expected = {name: peft.greedy(path, ids, 80) for name, path in paths.items()}
     for seq in seqs:

@@ -93,7 +93,7 @@ class Embedder:
 
         self.pipeline = read_pipeline(directory)
         self.tokenizer = AutoTokenizer.from_pretrained(directory)
-        self.model = AutoModel.from_pretrained(directory, dtype=dtype).eval()
+        self.model = AutoModel.from_pretrained(directory, dtype=dtype)  # in eval mode, as loaded
         positions = getattr(self.model.config, "max_position_embeddings", None)
         limits = [n for n in (self.pipeline.max_seq_length, self.tokenizer.model_max_length, positions) if n]
         self.max_tokens = min(limits) if limits else 512
