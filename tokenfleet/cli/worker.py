@@ -119,5 +119,3 @@ def _check_model_dir(model_dir: str) -> None:
             f"--model {model_dir} is not a Hugging Face model directory: no {' or '.join(missing)} "
             "(build a test model with `tokenfleet model init DIR`, or point at a saved model)"
         )
-    if (path / "modules.json").is_file():  # before transformers fails on it with a traceback
-        fail(f"--model {model_dir} is a sentence-transformers embedding model; workers serve text generation")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from tokenfleet.batcher import Batcher, PendingRequest
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.protocol import ErrorCode, Refusal, Request, smallest_bucket
-from tokenfleet.protocol.prompt_length import cannot_fit
+from tokenfleet.protocol.request import cannot_fit
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class Admission:
     def queue(self, seq: SeqState, arrived: float, batcher: Batcher) -> Refusal | None:
         """Queue ``seq`` in ``batcher`` if its tokens pass :meth:`check_tokens` (every core's
         ``add``), else the refusal."""
-        prompt_len, max_new = len(seq.prompt_ids), seq.request.max_new_tokens
+        prompt_len, max_new = len(seq.prompt_ids), seq.request.new_tokens
         refusal = self.check_tokens(prompt_len, max_new)
         if refusal is None:
             item = PendingRequest(seq.key, prompt_len, max_new, arrived, payload=seq, lane=seq.request.lane)

@@ -48,6 +48,14 @@ class CoreFront:
             return None
         return self.grammars.matcher(request.response_format)
 
+    def embed_ids(self, request: Request) -> list[int] | Refusal:
+        """Embedding requests' ids; a core whose model does not embed refuses them."""
+        return Refusal(
+            ErrorCode.INVALID_REQUEST,
+            "this worker serves a text generation model and does not embed: send embedding requests "
+            "to a fleet serving an embedding model",
+        )
+
     def add(self, seq: SeqState, arrived: float) -> Refusal | None:
         """Queue a sequence (``arrived``: monotonic time it entered the queue, for max_wait_ms);
         a :class:`Refusal` if it can never run here."""

@@ -74,13 +74,14 @@ class StepOutput:
     failed: list[tuple[SeqState, str]] = field(default_factory=list)
     batches: list[BatchEvent] = field(default_factory=list)
     refused: list[tuple[SeqState, Refusal]] = field(default_factory=list)  # e.g. an adapter that cannot load
+    embedded: list[tuple[SeqState, bytes]] = field(default_factory=list)  # vectors, little-endian float32
 
     @property
     def finished(self) -> list[SeqState]:
         return [t.seq for t in self.tokens if t.finished]
 
     def __bool__(self) -> bool:
-        return bool(self.tokens or self.batches or self.refused)
+        return bool(self.tokens or self.batches or self.refused or self.embedded)
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ class ModelFacts:
     max_token_chars: int  # most characters one token decodes to
     device: str
     dtype: str
+    task: str = "generate"  # or "embed": an embedding model's worker (the heartbeat says which)
 
 
 class EngineCore(Protocol):
@@ -144,6 +146,11 @@ class EngineCore(Protocol):
     def output_constraint(self, request: Request) -> Any:
         """The grammar state a request's output must follow (None: unconstrained), or the
         :class:`Refusal` of output controls this core cannot honour."""
+        ...
+
+    def embed_ids(self, request: Request) -> list[int] | Refusal:
+        """The token ids an embedding request's prompt makes for this model (truncated as its
+        ``embed.truncate`` says), or the :class:`Refusal` of a core that cannot embed it."""
         ...
 
     def add(self, seq: SeqState, arrived: float) -> Refusal | None:

@@ -1,6 +1,6 @@
 """Facts of a model's vocabulary that every backend needs the same way: its end-of-sequence ids
 and chat messages rendered with its template (the longest text one token decodes to is the
-protocol's: :mod:`tokenfleet.protocol.prompt_length`)."""
+protocol's: :mod:`tokenfleet.protocol.request`)."""
 
 from __future__ import annotations
 

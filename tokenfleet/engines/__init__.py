@@ -48,6 +48,10 @@ def build_core(config: WorkerConfig) -> EngineCore:
 
     # what this process may use (affinity, cgroup quota), not every core the machine has
     torch.set_num_threads(engine.threads or cpu_share().threads)
+    from tokenfleet.engines.embed.model import is_sentence_transformers
+
+    if engine.model and is_sentence_transformers(engine.model):
+        return _embedding_core(config, backend)
     if backend == "vllm":
         from tokenfleet.engines.vllm.core import VllmCore
 
@@ -61,3 +65,25 @@ def build_core(config: WorkerConfig) -> EngineCore:
     if warmed:
         log.info("engine warmed up (compiled / captured) in %.1f s", warmed)
     return NativeCore(runner, config.batching)
+
+
+def _embedding_core(config: WorkerConfig, backend: str) -> EngineCore:
+    """The core of a sentence-transformers model's worker: it embeds, and generates nothing."""
+    import torch
+
+    from tokenfleet.engines.embed.core import EmbedCore
+    from tokenfleet.engines.embed.model import Embedder
+    from tokenfleet.engines.native.device import select_device, select_dtype
+
+    engine = config.engine
+    if backend == "vllm":
+        from tokenfleet.engines.vllm.embed import VllmEmbedCore
+
+        return VllmEmbedCore.from_config(config)
+    device = select_device(engine.device)
+    # float32 on the CPU unless asked: sentence-transformers' own vectors, and no slower here
+    on_cpu_auto = engine.dtype == "auto" and device.type == "cpu"
+    dtype = torch.float32 if on_cpu_auto else select_dtype(engine.dtype, device)
+    log.info("embedding model (sentence-transformers directory) on %s in %s", device, dtype)
+    embedder = Embedder(engine.model or "", dtype, str(device))
+    return EmbedCore(embedder, config.batching, str(device))

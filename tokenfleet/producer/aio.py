@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from array import array
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -24,9 +25,10 @@ from tokenfleet.producer.base import (
     adapter_records,
     mark_reply_stream,
 )
+from tokenfleet.producer.embeddings import embed_inputs, embed_spec, vector_or_raise
 from tokenfleet.producer.replies import ReplyReader
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
-from tokenfleet.producer.routing import enqueue_args, queue_full_error, result_timeout, target_stream
+from tokenfleet.producer.routing import enqueue_args, queue_full_error, result_timeout
 from tokenfleet.protocol import ReplyEvent
 from tokenfleet.protocol.adapters import AdapterRecord
 from tokenfleet.transport.server.connection import connect_async_client
@@ -74,7 +76,7 @@ class AsyncClient(ClientBase):
             request = await asyncio.to_thread(self._prepare, prompt, input_ids, request_id, params, buckets)
         else:
             request = self._prepare(prompt, input_ids, request_id, params, buckets)
-        stream = target_stream(self.keys, request, buckets)
+        stream = self._stream_of(request, buckets)
         keys, args = enqueue_args(self.keys, stream, request)
         reply = self.keys.reply_stream(request.id)
         pipe = self.redis.pipeline(transaction=not self._cluster)  # see Client.submit
@@ -98,6 +100,22 @@ class AsyncClient(ClientBase):
             raise queue_full_error(enqueued) or enqueued
         self._remember_submitted(request.id)
         return AsyncHandle(self, request.id, stream)
+
+    async def embed(
+        self,
+        inputs: str | Sequence[str] | Sequence[Sequence[int]],
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        truncate: bool = True,
+        timeout: float | None = None,
+        **params: Any,
+    ) -> list[array[float]]:
+        """Each input's vector, in order (see :meth:`Client.embed`)."""
+        spec = embed_spec(dimensions, normalize, truncate)
+        handles = [await self.submit(**call, embed=spec, **params) for call in embed_inputs(inputs)]
+        results = await asyncio.gather(*(handle.result(timeout) for handle in handles))
+        return [vector_or_raise(result) for result in results]
 
     async def chat(
         self, messages: list[dict[str, str]], *, request_id: str | None = None, **params: Any

@@ -13,10 +13,16 @@ from typing import Any
 from tokenfleet import protocol
 from tokenfleet.config import prefix_from_env
 from tokenfleet.errors import ProtocolError, RequestFailed
-from tokenfleet.producer.routing import build_request, load_tokenizer, next_block_ms, result_timeout
+from tokenfleet.producer.routing import (
+    build_request,
+    load_tokenizer,
+    next_block_ms,
+    result_timeout,
+    target_stream,
+)
 from tokenfleet.protocol import DoneEvent, ErrorCode, Keys, ReplyEvent, Request, TokenEvent
 from tokenfleet.protocol.adapters import AdapterRecord
-from tokenfleet.protocol.prompt_length import cannot_fit, max_token_chars
+from tokenfleet.protocol.request import cannot_fit, max_token_chars
 from tokenfleet.transport import scripts
 
 BUCKETS_TTL_S = 10.0
@@ -257,6 +263,14 @@ class ClientBase:
         request = build_request(prompt, input_ids, self.tokenizer, request_id, params)
         protocol.validate_request(request.to_wire())
         return request
+
+    def _stream_of(self, request: Request, buckets: list[int]) -> str:
+        """The request's stream (see :func:`target_stream`): an embedding keeps its text, and
+        this client's tokenizer, where it has one, counts its tokens for the bucket."""
+        length = None
+        if request.embed is not None and request.prompt is not None and self.tokenizer is not None:
+            length = len(self.tokenizer.encode(request.prompt).ids)
+        return target_stream(self.keys, request, buckets, length)
 
     def _queue_cancel(self, pipe: Any, request_id: str) -> None:
         """A cancel: the flag, for a worker that takes the request later, and the stream entry,

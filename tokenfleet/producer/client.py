@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import queue
 import time
-from collections.abc import Iterator
+from array import array
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import redis
@@ -22,8 +23,9 @@ from tokenfleet.producer.base import (
     adapter_records,
     mark_reply_stream,
 )
+from tokenfleet.producer.embeddings import embed_inputs, embed_spec, vector_or_raise
 from tokenfleet.producer.result import Chunk, Result, ResultBuilder
-from tokenfleet.producer.routing import enqueue_args, queue_full_error, target_stream
+from tokenfleet.producer.routing import enqueue_args, queue_full_error
 from tokenfleet.producer.thread_replies import ThreadedReplyReader
 from tokenfleet.protocol import ReplyEvent
 from tokenfleet.protocol.adapters import AdapterRecord
@@ -86,7 +88,7 @@ class Client(ClientBase):
         """
         buckets = self.buckets()
         request = self._prepare(prompt, input_ids, request_id, params, buckets)
-        stream = target_stream(self.keys, request, buckets)
+        stream = self._stream_of(request, buckets)
         keys, args = enqueue_args(self.keys, stream, request)
         reply = self.keys.reply_stream(request.id)
         # one MULTI: the empty reply stream and the request exist together or not at all (on a
@@ -117,6 +119,26 @@ class Client(ClientBase):
         with contextlib.suppress(redis.ResponseError):  # an ACL without DEL: it expires
             if self.redis.xlen(reply) == 0:
                 self.redis.delete(reply)
+
+    def embed(
+        self,
+        inputs: str | Sequence[str] | Sequence[Sequence[int]],
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        truncate: bool = True,
+        timeout: float | None = None,
+        **params: Any,
+    ) -> list[array[float]]:
+        """Each input's vector, in order, as float32 ``array`` objects (``np.asarray(vectors)`` is the
+        matrix), from a fleet serving an embedding model. ``inputs``: texts or token id lists;
+        ``dimensions``: the first ones, normalised again; ``normalize``: as the model's config says
+        unless given; ``truncate``: inputs longer than the model takes are cut as
+        sentence-transformers cuts them (else refused). ``params``: ``priority``, ``deadline_ms``,
+        ``reply_ttl_s``. Raises :class:`~tokenfleet.errors.RequestFailed` for an input that fails."""
+        spec = embed_spec(dimensions, normalize, truncate)
+        handles = [self.submit(**call, embed=spec, **params) for call in embed_inputs(inputs)]
+        return [vector_or_raise(handle.result(timeout)) for handle in handles]
 
     def chat(self, messages: list[dict[str, str]], *, request_id: str | None = None, **params: Any) -> Handle:
         """Enqueue a chat: OpenAI-style ``messages`` (``[{"role": "user", "content": "..."}]``),

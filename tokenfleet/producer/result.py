@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 from tokenfleet.errors import RequestFailed
 from tokenfleet.protocol import ErrorEvent, ReplyEvent, TokenEvent, TokenLogprob
+from tokenfleet.protocol.embed import vector_of
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class Result:
     batch_size: int | None = None
     worker: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, where the request asked
+    embedding: array[float] | None = None  # an embedding request's vector, float32 (numpy takes it as is)
 
 
 class ResultBuilder:
@@ -70,4 +73,6 @@ class ResultBuilder:
         r.text = "".join(self._texts)
         r.finish_reason, r.usage, r.timings = event.finish_reason, event.usage, event.timings
         r.batch_size, r.worker = event.batch_size, event.worker
+        if event.embedding is not None:
+            r.embedding = vector_of(event.embedding)
         return None

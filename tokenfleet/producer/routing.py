@@ -17,6 +17,7 @@ from tokenfleet import protocol
 from tokenfleet.errors import QueueFull, RedisFull, ResultTimeout
 from tokenfleet.protocol import Keys, Request, ResponseFormat
 from tokenfleet.protocol.affinity import shard_of
+from tokenfleet.protocol.embed import EmbedSpec, parse_embed
 from tokenfleet.protocol.output_controls import parse_logit_bias, parse_response_format
 
 READ_BLOCK_MS = 1000  # longest single XREAD wait while following a reply stream
@@ -53,7 +54,9 @@ def build_request(
         raise ValueError("give exactly one of prompt, input_ids and messages")
     if messages is not None:
         params["messages"] = tuple((m["role"], m["content"]) for m in messages)
-    if prompt is not None and tokenizer is not None:
+    if params.get("embed") is not None:  # the worker tokenizes an embedding's text as its model does
+        params["embed"] = embed_spec_of(params["embed"])
+    elif prompt is not None and tokenizer is not None:
         input_ids = tokenizer.encode(prompt).ids
         prompt = None
     if params.get("response_format") is not None:
@@ -73,6 +76,11 @@ def build_request(
     )
 
 
+def embed_spec_of(value: Any) -> EmbedSpec:
+    """An ``embed`` from an :class:`EmbedSpec`, a map of its fields, or ``True`` (the model's defaults)."""
+    return value if isinstance(value, EmbedSpec) else parse_embed({} if value is True else value)
+
+
 def response_format_of(value: Any) -> ResponseFormat | None:
     """A ``response_format`` from what a caller has at hand: a :class:`ResponseFormat`, a pydantic
     model class (its JSON schema, named after it), or OpenAI's map (``{"type": "json_schema",
@@ -85,15 +93,16 @@ def response_format_of(value: Any) -> ResponseFormat | None:
     return parse_response_format(value)
 
 
-def target_stream(keys: Keys, request: Request, buckets: list[int]) -> str:
+def target_stream(keys: Keys, request: Request, buckets: list[int], length: int | None = None) -> str:
     """The stream a request goes to, in its lane: the affinity shard (docs/PROTOCOL.md) of the
-    smallest served bucket that holds its tokens; ``auto`` when its length is unknown here or no
-    worker has announced buckets. Too long for every bucket: the largest, so that a worker answers
-    with a clear ``prompt_too_long``."""
+    smallest served bucket that holds its tokens (``length``: their count where the request
+    carries text); ``auto`` when its length is unknown here or no worker has announced buckets.
+    Too long for every bucket: the largest, so that a worker answers with a clear
+    ``prompt_too_long`` (or, for an embedding, truncates it)."""
     lane = request.priority
-    if request.input_ids is None or not buckets:
+    n = len(request.input_ids) if request.input_ids is not None else length
+    if n is None or not buckets:
         return keys.auto_stream_of(lane)
-    n = len(request.input_ids)
     bucket = protocol.smallest_bucket(buckets, n) or max(buckets)
     return keys.shard_stream(bucket, lane, shard_of(request.to_wire()))
 

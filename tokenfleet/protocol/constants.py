@@ -14,7 +14,10 @@ penalties, ``logit_bias``, ``min_tokens``): a worker too old to honour them refu
 ADAPTER_VERSION = 3
 """The version of a request that names an ``adapter`` (a LoRA fine-tune of the model): a worker too
 old to apply it refuses it (``unsupported_version``) instead of answering from the base model."""
-SUPPORTED_VERSIONS = (PROTOCOL_VERSION, OUTPUT_CONTROLS_VERSION, ADAPTER_VERSION)
+EMBED_VERSION = 4
+"""The version of an embedding request (``embed``): a worker too old to embed refuses it
+(``unsupported_version``) instead of generating text for it."""
+SUPPORTED_VERSIONS = (PROTOCOL_VERSION, OUTPUT_CONTROLS_VERSION, ADAPTER_VERSION, EMBED_VERSION)
 
 GROUP = "workers"
 """Consumer group every worker joins on every request stream."""
@@ -34,6 +37,7 @@ BODY_FIELD = b"m"
 MAX_ID_LEN = 128
 MAX_PROMPT_BYTES = 1 << 20
 MAX_INPUT_IDS = 1 << 17
+MAX_EMBED_DIMENSIONS = 1 << 16
 MAX_NEW_TOKENS_CAP = 1 << 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256

@@ -16,6 +16,7 @@ import msgpack
 from tokenfleet.errors import ProtocolError
 from tokenfleet.protocol.codec import Fields, pack, unpack
 from tokenfleet.protocol.constants import BODY_FIELD, ErrorCode, EventType
+from tokenfleet.protocol.embed import vector_of
 
 TERMINAL_EVENT_ID = "1-0"
 """Stream id of every terminal event (see the module's note)."""
@@ -64,7 +65,8 @@ class TokenEvent:
 @dataclass(frozen=True, slots=True)
 class DoneEvent:
     """The request ended normally: why, its token counts, timings (ms since it was enqueued:
-    ``queue_ms``, ``ttft_ms``, ``total_ms``) and the batch it ran in."""
+    ``queue_ms``, ``ttft_ms``, ``total_ms``) and the batch it ran in; an embedding request's
+    vector as little-endian float32 bytes in ``embedding``."""
 
     type: ClassVar[str] = EventType.DONE
     terminal: ClassVar[bool] = True
@@ -75,10 +77,15 @@ class DoneEvent:
     batch_size: int = 0
     mean_batch_size: float | None = None
     worker: str | None = None
+    embedding: bytes | None = None
 
     @property
     def stream_id(self) -> str:
         return TERMINAL_EVENT_ID
+
+    def vector(self) -> list[float]:
+        """The embedding as Python floats (numpy: ``np.frombuffer(event.embedding, "<f4")``)."""
+        return vector_of(self.embedding or b"").tolist()
 
     @property
     def usage(self) -> dict[str, int]:
@@ -96,6 +103,8 @@ class DoneEvent:
             body["mean_batch_size"] = self.mean_batch_size
         if self.worker is not None:
             body["worker"] = self.worker
+        if self.embedding is not None:
+            body["embedding"] = self.embedding
         return body
 
 
@@ -147,12 +156,19 @@ def decode_event(fields: Fields) -> ReplyEvent | None:
                 batch_size=int(body.get("batch_size") or 0),
                 mean_batch_size=body.get("mean_batch_size"),
                 worker=body.get("worker"),
+                embedding=_embedding(body.get("embedding")),
             )
         if kind == EventType.ERROR:
             return ErrorEvent(str(body.get("code", "unknown")), str(body.get("message", "")))
         return None
     except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as e:
         raise ProtocolError(ErrorCode.UNDECODABLE, f"malformed reply event: {e!r}") from e
+
+
+def _embedding(value: Any) -> bytes | None:
+    if value is not None and (not isinstance(value, bytes) or len(value) % 4):
+        raise ValueError("embedding must be float32 bytes")
+    return value
 
 
 def is_duplicate_event_error(error: Exception) -> bool:

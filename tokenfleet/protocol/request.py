@@ -1,4 +1,9 @@
-"""One generation request as it travels on a request stream, and the routing rule by length."""
+"""One request as it travels on a request stream, and the routing rule by length.
+
+A text prompt's length in tokens is bounded before it is tokenized: no token decodes to more
+characters than the vocabulary's longest, so a text of ``C`` characters is at least
+``C / max_token_chars`` tokens. A prompt too long for every bucket by that bound is refused
+without tokenizing it, by the producers (the gateway) and the workers alike."""
 
 from __future__ import annotations
 
@@ -12,10 +17,12 @@ from tokenfleet.protocol.constants import (
     DEFAULT_LANE,
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_REPLY_TTL_S,
+    EMBED_VERSION,
     LANES,
     OUTPUT_CONTROLS_VERSION,
     PROTOCOL_VERSION,
 )
+from tokenfleet.protocol.embed import EmbedSpec
 from tokenfleet.protocol.output_controls import ResponseFormat
 
 
@@ -51,6 +58,7 @@ class Request:
     priority: str = DEFAULT_LANE  # one of LANES
     cache_key: str | None = None  # affinity: requests sharing it go to one shard (protocol.affinity)
     adapter: str | None = None  # a LoRA adapter of the model, by the name the fleet knows it by
+    embed: EmbedSpec | None = None  # the prompt's vector instead of generated text (protocol.embed)
     v: int = PROTOCOL_VERSION
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -75,6 +83,11 @@ class Request:
         return self.processes_logits or self.logprobs is not None
 
     @property
+    def new_tokens(self) -> int:
+        """Tokens it may generate: none for an embedding."""
+        return 0 if self.embed is not None else self.max_new_tokens
+
+    @property
     def lane(self) -> int:
         """The lane's rank: 0 is the highest."""
         return LANES.index(self.priority)
@@ -89,6 +102,9 @@ class Request:
             body["v"] = max(self.v, OUTPUT_CONTROLS_VERSION)  # an older worker refuses, never ignores
         if self.adapter is not None:
             body["v"] = max(body["v"], ADAPTER_VERSION)  # never answered from the base by an older one
+        if self.embed is not None:
+            body["v"] = max(body["v"], EMBED_VERSION)  # never answered with text by an older one
+            body["embed"] = self.embed.to_wire()
         if self.logit_bias:
             body["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
         if self.response_format is not None:
@@ -124,3 +140,15 @@ def smallest_bucket(buckets: Iterable[int], prompt_len: int) -> int | None:
     """The smallest bucket that holds ``prompt_len`` tokens, or None if every bucket is shorter:
     the one routing rule, shared by producers, the ``auto`` stream and the worker's admission."""
     return min((b for b in buckets if prompt_len <= b), default=None)
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """Most characters one token of ``tokenizer``'s vocabulary decodes to (``transformers`` or
+    ``tokenizers``: both have ``get_vocab``)."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return max(1, longest + 1)  # +1: byte-level markers and word-boundary spaces
+
+
+def cannot_fit(chars: int, largest_bucket: int, token_chars: int) -> bool:
+    """Whether ``chars`` characters are more tokens than ``largest_bucket``, however tokenized."""
+    return chars > largest_bucket * token_chars

@@ -27,6 +27,7 @@ from tokenfleet.protocol.constants import (
     SUPPORTED_VERSIONS,
     ErrorCode,
 )
+from tokenfleet.protocol.embed import parse_embed
 from tokenfleet.protocol.output_controls import parse_logit_bias, parse_response_format
 from tokenfleet.protocol.request import Request
 
@@ -52,7 +53,7 @@ FLOAT_FIELDS = {
 """Number fields and their inclusive ranges."""
 LIST_FIELDS = ("input_ids", "stop", "stop_token_ids", "messages")
 """Fields that hold arrays (JSON arrays in the plain form)."""
-MAP_FIELDS = ("response_format", "logit_bias")
+MAP_FIELDS = ("response_format", "logit_bias", "embed")
 """Fields that hold maps (JSON objects in the plain form)."""
 _KNOWN = {
     *INT_FIELDS,
@@ -169,8 +170,24 @@ class _Fields:
                     "starting with a letter or digit"
                 )
             kw["adapter"] = body["adapter"]
+        if body.get("embed") is not None:
+            kw["embed"] = self.embed(body["embed"], kw)
         kw["extra"] = {k: v for k, v in body.items() if k not in _KNOWN}
         return Request(**kw)
+
+    def embed(self, value: Any, kw: dict[str, Any]) -> Any:
+        """An embedding request: its spec, with nothing that shapes generated text."""
+        try:
+            spec = parse_embed(value)
+        except ValueError as e:
+            raise self.bad(str(e)) from None
+        if "messages" in kw:
+            raise self.bad("embed takes prompt or input_ids, not messages")
+        generation_only = ("response_format", "logprobs", "adapter", "logit_bias")
+        clashing = [k for k in generation_only if kw.get(k) not in (None, ())]
+        if clashing:
+            raise self.bad(f"{clashing[0]} does not apply to an embedding request")
+        return spec
 
     def input(self) -> dict[str, Any]:
         """Exactly one of ``prompt``, ``input_ids`` and ``messages``."""

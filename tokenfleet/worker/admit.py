@@ -138,6 +138,8 @@ class Admitter:
 
     def _tokens(self, request: Request, largest_bucket: int | None = None) -> list[int] | Refusal:
         admission = self.core.admission
+        if request.embed is not None:  # the model's own tokenization and truncation
+            return self.core.embed_ids(request)
         if request.input_ids is not None:
             ids = list(request.input_ids)
             return admission.check_ids(ids) or ids
@@ -177,9 +179,12 @@ class Admitter:
             message = f"prompt has {len(ids)} tokens; the largest bucket served is {buckets[-1]}"
             return Refusal(ErrorCode.PROMPT_TOO_LONG, message)
         first_seen = request.enqueued_ms or int(entry.enqueued_wall * 1000)
-        routed = dataclasses.replace(
-            request, prompt=None, messages=None, input_ids=tuple(ids), enqueued_ms=first_seen
-        )
+        if request.embed is not None:  # its text goes on: the worker tokenizes it as the model does
+            routed = dataclasses.replace(request, enqueued_ms=first_seen)
+        else:
+            routed = dataclasses.replace(
+                request, prompt=None, messages=None, input_ids=tuple(ids), enqueued_ms=first_seen
+            )
         # the shard follows the request as sent (its messages or text), as a producer's would
         target = self.keys.shard_stream(bucket, request.priority, shard_of(request.to_wire()))
         self.outbox.move(entry, target, protocol.encode_request(routed))

@@ -54,13 +54,18 @@ class Publisher:
                 self._send_tokens(seq, now)
             if out.finished:
                 self.finish(seq)
+        for seq, vector in output.embedded:  # one pass made the whole answer: started and ended
+            queued = max(0.0, (seq.started or 0) - seq.enqueued_wall)
+            m.started(seq.request.priority, len(seq.prompt_ids), queued, queued)
+            self.finish(seq, vector)
         for seq, message in output.failed:  # rows the engine could not run; their batch-mates go on
             self.fail(seq, ErrorCode.INTERNAL, message)
         for seq, refusal in output.refused:  # rows the core would not start (their adapter cannot load)
             self.fail(seq, refusal.code, refusal.message)
 
-    def finish(self, seq: SeqState) -> None:
-        """End ``seq`` with ``done`` (its finish reason), then acknowledge its entry."""
+    def finish(self, seq: SeqState, embedding: bytes | None = None) -> None:
+        """End ``seq`` with ``done`` (its finish reason; an embedding request's vector), then
+        acknowledge its entry."""
         self._send_tokens(seq)  # tokens still held back by the stream interval go first
         req = seq.request
         done = DoneEvent(
@@ -71,6 +76,7 @@ class Publisher:
             batch_size=seq.batch_size,
             mean_batch_size=round(seq.mean_batch_size, 2),
             worker=self.worker,
+            embedding=embedding,
         )
         self.outbox.event(req.id, done, req.reply_ttl_s)
         self.outbox.ack(*seq.key)

@@ -138,6 +138,7 @@ class Upkeep:
                 "buckets": list(self.config.batching.buckets),
                 "engine": self.core.backend,
                 "model": self.config.engine.served_name,
+                "task": facts.task,
                 "device": facts.device,
                 "dtype": facts.dtype,
                 "mode": self.config.batching.mode,

@@ -88,21 +88,25 @@ def is_sentence_transformers(directory: str | Path) -> bool:
 class Embedder:
     """The model at ``directory`` in ``dtype``; :meth:`embed` turns texts or token ids into vectors."""
 
-    def __init__(self, directory: str | Path, dtype: torch.dtype = torch.float32):
+    def __init__(self, directory: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
         from transformers import AutoModel, AutoTokenizer
 
         self.pipeline = read_pipeline(directory)
         self.tokenizer = AutoTokenizer.from_pretrained(directory)
-        self.model = AutoModel.from_pretrained(directory, dtype=dtype)  # in eval mode, as loaded
+        self.device = torch.device(device)
+        # in eval mode, as loaded
+        self.model = AutoModel.from_pretrained(directory, dtype=dtype).to(self.device)
         positions = getattr(self.model.config, "max_position_embeddings", None)
         limits = [n for n in (self.pipeline.max_seq_length, self.tokenizer.model_max_length, positions) if n]
         self.max_tokens = min(limits) if limits else 512
 
-    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
-        """Each text's token ids, as sentence-transformers makes them (special tokens, truncation)."""
+    def tokenize(self, texts: Sequence[str], truncate: bool = True) -> list[list[int]]:
+        """Each text's token ids, as sentence-transformers makes them (special tokens, truncation
+        to the model's length unless ``truncate`` is false)."""
         if self.pipeline.lower_case:
             texts = [t.lower() for t in texts]
-        return list(self.tokenizer(list(texts), truncation=True, max_length=self.max_tokens)["input_ids"])
+        limit = {"truncation": True, "max_length": self.max_tokens} if truncate else {}
+        return list(self.tokenizer(list(texts), **limit)["input_ids"])
 
     @torch.inference_mode()
     def embed(
@@ -120,7 +124,7 @@ class Embedder:
             while end < len(order) and (end - start + 1) * len(inputs[order[end]]) <= budget:
                 end += 1
             batch = order[start:end]
-            out[batch] = self._forward([list(inputs[i]) for i in batch]).float()
+            out[batch] = self._forward([list(inputs[i]) for i in batch]).float().cpu()
             start = end
         if dimensions is not None:  # Matryoshka: the first ones, a unit vector again
             out = out[:, :dimensions]
@@ -132,8 +136,9 @@ class Embedder:
         features = self.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
         if "token_type_ids" in self.tokenizer.model_input_names:
             features["token_type_ids"] = torch.zeros_like(features["input_ids"])
-        mask = features["attention_mask"]
-        tokens = self.model(**features).last_hidden_state
+        on_device = {k: v.to(self.device) for k, v in features.items()}
+        mask = on_device["attention_mask"]
+        tokens = self.model(**on_device).last_hidden_state
         return pool(tokens, mask, self.pipeline.pooling)
 
 

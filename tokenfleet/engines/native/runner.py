@@ -34,7 +34,7 @@ from tokenfleet.engines.native.sampling.grammar_masks import GrammarMasks, Pendi
 from tokenfleet.engines.native.sampling.logits_process import choose_controlled
 from tokenfleet.engines.native.shapes import decode_buckets, prefill_forwards, prefill_padded_size
 from tokenfleet.engines.native.types import Chosen, PrefillResult
-from tokenfleet.protocol.prompt_length import max_token_chars
+from tokenfleet.protocol.request import max_token_chars
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from tokenfleet.engines.vllm.args import engine_args
 from tokenfleet.engines.vllm.controls import control_kwargs, vllm_logprobs
 from tokenfleet.protocol import Refusal, Request
 from tokenfleet.protocol.adapters import AdapterRecord
-from tokenfleet.protocol.prompt_length import max_token_chars
+from tokenfleet.protocol.request import max_token_chars
 
 log = logging.getLogger(__name__)
 
