@@ -32,6 +32,18 @@ class GatewayConfig:
         "environment (TOKENFLEET_ADMIN_KEYS).",
         kind="str",
     )
+    embed_prefix: str | None = setting(
+        None,
+        "Key prefix of the fleet that serves /v1/embeddings (an embedding model's workers; default: "
+        "this gateway's own prefix).",
+        kind="str",
+    )
+    embed_model: str | None = setting(
+        None,
+        "The embedding model's directory, whose tokenizer.json picks the bucket here (else workers "
+        "tokenize).",
+        kind="path",
+    )
     request_timeout_s: float = setting(
         600.0, "Longest a request may take end to end; past it the worker drops it (deadline)."
     )

@@ -26,7 +26,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenfleet.config import GatewayConfig
-from tokenfleet.gateway import batches, completions, errors, files, models
+from tokenfleet.gateway import batches, completions, embeddings, errors, files, models
 from tokenfleet.gateway.errors import APIError
 from tokenfleet.gateway.limits import BodyLimit
 from tokenfleet.gateway.service import Service
@@ -92,15 +92,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
         """Served models, then the adapters of served models (``parent``: their base), as vLLM."""
         service = request.app.state.service
         served = await service.fleet.models()
+        everything = {*served, *await service.embed_fleet.models()}  # the embedding fleet's too
         model = {"object": "model", "created": 0, "owned_by": "tokenfleet"}
-        data = [{"id": name, **model, "root": name, "parent": None} for name in sorted(served)]
+        data = [{"id": name, **model, "root": name, "parent": None} for name in sorted(everything)]
         for name, record in sorted((await service.adapters.records()).items()):
             parent = record.base or (next(iter(served)) if len(served) == 1 else None)
             if parent in served:
                 data.append({"id": name, **model, "root": record.path, "parent": parent})
         return {"object": "list", "data": data}
 
-    for router in (completions.router, files.router, batches.router, models.router):
+    for router in (completions.router, embeddings.router, files.router, batches.router, models.router):
         app.include_router(router)
     return app
 

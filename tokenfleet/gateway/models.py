@@ -32,6 +32,7 @@ class Fleet:
         self.redis = redis
         self.keys = keys
         self._models: dict[str, int] = {}  # served name -> live workers
+        self._embedding: set[str] = set()  # served names whose workers embed
         self._known: set[str] = set()  # names any heartbeat still in Redis carries, live or not
         self._at = float("-inf")
         self._full, self._full_at = False, float("-inf")
@@ -39,7 +40,7 @@ class Fleet:
     async def models(self) -> dict[str, int]:
         """Served model name -> how many live workers serve it."""
         if time.monotonic() - self._at > CACHE_S:
-            now, models, known = time.time(), dict[str, int](), set()
+            now, models, known, embedding = time.time(), dict[str, int](), set(), set()
             for worker, raw in (await self.redis.hgetall(self.keys.workers)).items():
                 beat = parse_heartbeat(worker, raw, now)
                 if beat is None:
@@ -48,8 +49,16 @@ class Fleet:
                 known.add(name)
                 if beat["alive"]:
                     models[name] = models.get(name, 0) + 1
+                    if beat.get("task") == "embed":
+                        embedding.add(name)
             self._models, self._known, self._at = models, known, time.monotonic()
+            self._embedding = embedding
         return self._models
+
+    async def embeds(self, model: str) -> bool:
+        """Whether ``model``'s live workers serve an embedding model."""
+        await self.models()
+        return model in self._embedding
 
     async def redis_full(self) -> bool:
         """Whether Redis is out of memory (looked up at most every :data:`CACHE_S`): workers

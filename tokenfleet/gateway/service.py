@@ -24,13 +24,21 @@ class Service:
     records: Records
     fleet: Fleet
     adapters: Adapters
+    embed_client: AsyncClient  # /v1/embeddings' fleet (--embed-prefix): this client unless another
+    embed_fleet: Fleet
 
     @classmethod
     def start(cls, config: GatewayConfig) -> Service:
         client = AsyncClient(config.redis.url, model=config.model, prefix=config.redis.prefix)
         records = Records(client.redis, client.keys, config.idempotency_ttl_s)
         fleet, adapters = Fleet(client.redis, client.keys), Adapters(client.redis, client.keys)
-        return cls(config, client, records, fleet, adapters)
+        embed_client, embed_fleet = client, fleet
+        other_prefix = config.embed_prefix not in (None, config.redis.prefix)
+        if other_prefix or config.embed_model is not None:
+            prefix = config.embed_prefix or config.redis.prefix
+            embed_client = AsyncClient(config.redis.url, model=config.embed_model, prefix=prefix)
+            embed_fleet = Fleet(embed_client.redis, embed_client.keys)
+        return cls(config, client, records, fleet, adapters, embed_client, embed_fleet)
 
     background: set[asyncio.Task[None]] = field(default_factory=set)
     _sync_redis: redis.Redis | None = None
@@ -49,5 +57,7 @@ class Service:
 
     async def close(self) -> None:
         await self.client.close()
+        if self.embed_client is not self.client:
+            await self.embed_client.close()
         if self._sync_redis is not None:
             self._sync_redis.close()
