@@ -117,3 +117,45 @@ def test_embeddings_refuse_what_they_cannot_serve(fleets, gateways, embed_prefix
         assert named in response.text, (fields, response.text)
     # no tokenizer given to the gateway: texts go by the auto stream, a worker tokenizes them
     assert len(client.embeddings.create(model="minilm", input=["a", "b"]).data) == 2
+
+
+def test_batch_api_lines_for_embeddings(fleets, gateways, embed_prefix, minilm, expected):
+    """OpenAI's Batch API with ``/v1/embeddings`` lines (a bad line fails alone): the output file's
+    bodies are OpenAI's embeddings responses, equal to sentence-transformers'."""
+    import base64
+    import json
+    import time
+
+    gateway = gateways("--embed-prefix", embed_prefix)
+    client = gateway.openai()
+    line = {"method": "POST", "url": "/v1/embeddings"}
+    lines = [
+        {"custom_id": f"doc-{i}", **line, "body": {"model": "minilm", "input": text}}
+        for i, text in enumerate(TEXTS)
+    ]
+    lines[1]["body"]["input"] = TEXTS[1:3]  # a line of two texts
+    lines[1]["body"]["encoding_format"] = "base64"
+    lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings", "body": {"model": "minilm"}})
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    uploaded = client.files.create(file=("embed.jsonl", data), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    deadline = time.monotonic() + 120
+    while batch.status not in ("completed", "failed") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch.errors
+    counts = batch.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (len(lines), len(TEXTS), 1)
+    output = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert [row["custom_id"] for row in output] == [f"doc-{i}" for i in range(len(TEXTS))]
+    bodies = [row["response"]["body"] for row in output]
+    assert all(row["response"]["status_code"] == 200 for row in output)
+    assert_close(bodies[0]["data"][0]["embedding"], expected[0])
+    pair = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in bodies[1]["data"]]
+    assert_close(pair, expected[1:3])
+    assert_close([bodies[3]["data"][0]["embedding"]], expected[3:4])
+    assert bodies[1]["usage"]["prompt_tokens"] > 0 and bodies[1]["object"] == "list"
+    errors = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
+    assert [row["custom_id"] for row in errors] == ["bad"] and "input" in json.dumps(errors[0])

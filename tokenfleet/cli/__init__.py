@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from tokenfleet.cli import demo, fleet, lora, models, requests, serve, worker
+from tokenfleet.cli import demo, embed, fleet, lora, models, requests, serve, worker
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -19,6 +19,8 @@ def main() -> None:
       tokenfleet worker --model ./smollm2              # as many as you like, anywhere
       tokenfleet submit "Hello"                        # streams tokens to stdout
       tokenfleet serve --port 8000                     # OpenAI's API: /v1/chat/completions
+    Embed: a worker on `tokenfleet model get minilm ./minilm` (its own --prefix), then
+      tokenfleet embed texts.jsonl -o vectors.jsonl    # or /v1/embeddings, client.embed(texts)
     """
 
 
@@ -31,6 +33,7 @@ for command in (
     requests.cancel,
     fleet.status,
     fleet.batch,
+    embed.embed,
     fleet.rq_worker,
     fleet.acl,
     lora.lora,

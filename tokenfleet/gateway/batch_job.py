@@ -11,69 +11,91 @@ from typing import Any
 
 from tokenfleet.errors import RequestFailed
 from tokenfleet.producer.bulk import BULK_LANE, DEFAULT_WINDOW, Job, run_windowed
-from tokenfleet.producer.openai.batch import body_of_line, output_line
+from tokenfleet.producer.openai.batch import EmbeddingLine, body_of_line, output_line
 from tokenfleet.producer.openai.controls import decoder
+from tokenfleet.producer.openai.embeddings import EMBEDDINGS, EmbeddingBody
 from tokenfleet.producer.openai.format import CHAT_COMPLETIONS, Completion
 from tokenfleet.producer.result import Result
 
 PROGRESS_EVERY_S = 1.0  # how often the batch's counts are written back while it runs
 
 
-def run_openai_batch(redis_url: str, prefix: str, model: str | None, batch_id: str) -> dict[str, int]:
-    from tokenfleet.gateway.files import store
+def run_openai_batch(
+    redis_url: str,
+    prefix: str,
+    model: str | None,
+    batch_id: str,
+    embed_prefix: str | None = None,
+    embed_model: str | None = None,
+) -> dict[str, int]:
+    """Run one batch; ``embed_prefix`` / ``embed_model``: the fleet of its ``/v1/embeddings``
+    lines, where it is not the gateway's own (the gateway's ``--embed-prefix``)."""
     from tokenfleet.producer import Client
 
     with Client(redis_url, model=model, prefix=prefix) as client:
-        state = BatchState(client.redis, client.keys.batch(batch_id))
-        record = state.load()
-        if record["status"] in ("completed", "failed", "cancelled"):
-            return record["request_counts"]  # already ended (a rerun of a finished job)
-        content = client.redis.hget(client.keys.file(record["input_file_id"]), "content")
+        embedding = Client(redis_url, model=embed_model, prefix=embed_prefix or prefix)
         try:
-            jobs = parse(content, record["endpoint"], batch_id, client.adapters())
-        except ValueError as e:
-            state.update(status="failed", failed_at=_now(), errors={"object": "list", "data": [_error(e)]})
-            return record["request_counts"]
-        state.update(status="in_progress", in_progress_at=_now(), request_counts=_counts(len(jobs), 0, 0))
-        outputs: list[dict[str, Any]] = []
-        errors: list[dict[str, Any]] = []
-        stopping: list[bool] = []
+            return _run(client, embedding, batch_id)
+        finally:
+            embedding.close()
 
-        def stop() -> bool:
-            """A cancel asked for: stop submitting, and cancel what still runs (it ends at once)."""
-            if not stopping and state.cancelled():
-                stopping.append(True)
-                done = len(outputs) + len(errors)
-                for job in jobs[done : done + DEFAULT_WINDOW]:  # at most a window is in flight
-                    for request_id, _ in job.requests:
-                        client.cancel(request_id)
-            return bool(stopping)
 
-        def collect(i: int, outcome: list[Result] | RequestFailed) -> None:
-            job = jobs[i]
-            assert job.completion is not None
-            line = output_line(i, str(job.custom_id), job.completion, outcome, decoder(client.tokenizer))
-            (errors if isinstance(outcome, RequestFailed) else outputs).append(line)
-            state.progress(_counts(len(jobs), len(outputs), len(errors)))
-            stop()  # noticed between results too, while the last window drains
+def _run(client: Any, embedding: Any, batch_id: str) -> dict[str, int]:
+    """The batch's record and files live on ``client``; its requests go to ``embedding`` for an
+    embeddings batch."""
+    from tokenfleet.gateway.files import store
 
-        run_windowed(client, jobs, collect, stop=stop)
-        state.update(status="finalizing", finalizing_at=_now())
-        ended: dict[str, Any] = {"request_counts": _counts(len(jobs), len(outputs), len(errors))}
-        if outputs:
-            ended["output_file_id"] = store(
-                client.redis, client.keys, f"{batch_id}_output.jsonl", "batch_output", _jsonl(outputs)
-            )["id"]
-        if errors:
-            ended["error_file_id"] = store(
-                client.redis, client.keys, f"{batch_id}_errors.jsonl", "batch_output", _jsonl(errors)
-            )["id"]
-        if stopping:  # what finished before the cancel is in the files
-            ended.update(status="cancelled", cancelled_at=_now())
-        else:
-            ended.update(status="completed", completed_at=_now())
-        state.update(**ended)
-        return ended["request_counts"]
+    state = BatchState(client.redis, client.keys.batch(batch_id))
+    record = state.load()
+    if record["status"] in ("completed", "failed", "cancelled"):
+        return record["request_counts"]  # already ended (a rerun of a finished job)
+    content = client.redis.hget(client.keys.file(record["input_file_id"]), "content")
+    try:
+        jobs = parse(content, record["endpoint"], batch_id, client.adapters())
+        submitter = embedding if record["endpoint"] == EMBEDDINGS else client
+    except ValueError as e:
+        state.update(status="failed", failed_at=_now(), errors={"object": "list", "data": [_error(e)]})
+        return record["request_counts"]
+    state.update(status="in_progress", in_progress_at=_now(), request_counts=_counts(len(jobs), 0, 0))
+    outputs: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
+    stopping: list[bool] = []
+
+    def stop() -> bool:
+        """A cancel asked for: stop submitting, and cancel what still runs (it ends at once)."""
+        if not stopping and state.cancelled():
+            stopping.append(True)
+            done = len(outputs) + len(errors)
+            for job in jobs[done : done + DEFAULT_WINDOW]:  # at most a window is in flight
+                for request_id, _ in job.requests:
+                    submitter.cancel(request_id)
+        return bool(stopping)
+
+    def collect(i: int, outcome: list[Result] | RequestFailed) -> None:
+        job = jobs[i]
+        assert job.completion is not None
+        line = output_line(i, str(job.custom_id), job.completion, outcome, decoder(client.tokenizer))
+        (errors if isinstance(outcome, RequestFailed) else outputs).append(line)
+        state.progress(_counts(len(jobs), len(outputs), len(errors)))
+        stop()  # noticed between results too, while the last window drains
+
+    run_windowed(submitter, jobs, collect, stop=stop)
+    state.update(status="finalizing", finalizing_at=_now())
+    ended: dict[str, Any] = {"request_counts": _counts(len(jobs), len(outputs), len(errors))}
+    if outputs:
+        ended["output_file_id"] = store(
+            client.redis, client.keys, f"{batch_id}_output.jsonl", "batch_output", _jsonl(outputs)
+        )["id"]
+    if errors:
+        ended["error_file_id"] = store(
+            client.redis, client.keys, f"{batch_id}_errors.jsonl", "batch_output", _jsonl(errors)
+        )["id"]
+    if stopping:  # what finished before the cancel is in the files
+        ended.update(status="cancelled", cancelled_at=_now())
+    else:
+        ended.update(status="completed", completed_at=_now())
+    state.update(**ended)
+    return ended["request_counts"]
 
 
 class LineError(ValueError):
@@ -113,11 +135,24 @@ def parse(content: bytes | None, endpoint: str, batch_id: str, adapters: Collect
         except ValueError as e:  # this line's body: it fails alone, in the error file
             raw = line.get("body")
             body_model: dict[str, Any] = raw if isinstance(raw, dict) else {}
-            kind = "chat" if endpoint == CHAT_COMPLETIONS else "text"
-            completion = Completion(name, kind, str(body_model.get("model", "")), 1, 1, _now())
+            model = str(body_model.get("model", ""))
+            if endpoint == EMBEDDINGS:
+                failed = EmbeddingLine(name, EmbeddingBody.model_construct(model=model, input=[]))
+                jobs.append(Job([], custom_id, failed, invalid=f"line {n}: {e}"))
+                continue
+            completion = Completion(
+                name, "chat" if endpoint == CHAT_COMPLETIONS else "text", model, 1, 1, _now()
+            )
             jobs.append(Job([], custom_id, completion, invalid=f"line {n}: {e}"))
             continue
-        completion = Completion.of(name, kind, body)
+        if isinstance(body, EmbeddingBody):
+            line_job = EmbeddingLine(name, body)
+            try:
+                jobs.append(Job(line_job.submissions(BULK_LANE), custom_id, line_job))
+            except ValueError as e:  # an empty input: this line fails alone
+                jobs.append(Job([], custom_id, line_job, invalid=f"line {n}: {e}"))
+            continue
+        completion = Completion.of(name, kind, body)  # type: ignore[arg-type]
         adapter: dict[str, Any] = {"adapter": body.model} if body.model in adapters else {}
         jobs.append(Job(completion.submissions(body, lane=BULK_LANE, **adapter), custom_id, completion))
     return jobs

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from tokenfleet.gateway.errors import APIError
 from tokenfleet.gateway.files import FILE_TTL_S
 from tokenfleet.gateway.service import Service
-from tokenfleet.producer.openai.format import CHAT_COMPLETIONS, COMPLETIONS
+from tokenfleet.producer.openai.batch import ENDPOINTS
 from tokenfleet.producer.rq_jobs import rq_queue
 
 router = APIRouter()
@@ -36,8 +36,8 @@ class BatchBody(BaseModel):
 @router.post("/v1/batches")
 async def create(body: BatchBody, request: Request) -> dict[str, Any]:
     service: Service = request.app.state.service
-    if body.endpoint not in (COMPLETIONS, CHAT_COMPLETIONS):
-        raise APIError(400, f"endpoint must be {COMPLETIONS} or {CHAT_COMPLETIONS}", param="endpoint")
+    if body.endpoint not in ENDPOINTS:
+        raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint")
     redis, keys = service.client.redis, service.client.keys
     if not await redis.exists(keys.file(body.input_file_id)):
         raise APIError(404, f"no file {body.input_file_id!r}", "not_found_error", param="input_file_id")
@@ -130,7 +130,14 @@ def _enqueue(service: Service, batch_id: str) -> None:
     queue = Queue(rq_queue(config.redis.prefix), connection=connection, serializer=JSONSerializer)
     queue.enqueue(
         JOB,
-        args=(config.redis.url, config.redis.prefix, config.model, batch_id),
+        args=(
+            config.redis.url,
+            config.redis.prefix,
+            config.model,
+            batch_id,
+            config.embed_prefix,
+            config.embed_model,
+        ),
         job_id=f"tokenfleet-{batch_id}",
         job_timeout=25 * 3600,
         result_ttl=7 * 24 * 3600,

@@ -1,9 +1,16 @@
 """What every route of one gateway process shares: its settings, one asyncio client (one XREAD
-for every reply stream it follows), the completion records and the view of the fleet."""
+for every reply stream it follows), the completion records and the view of the fleet.
+
+The records are what a gateway replica keeps in Redis for the others: each completion's record (so
+any replica resumes a dropped stream or replays a finished request) and what each Idempotency-Key
+stands for."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
+import json
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,9 +19,46 @@ import redis
 
 from tokenfleet.config import GatewayConfig
 from tokenfleet.gateway.models import Adapters, Fleet
-from tokenfleet.gateway.records import Records
 from tokenfleet.producer import AsyncClient
+from tokenfleet.producer.openai.format import Completion
+from tokenfleet.protocol import DEFAULT_REPLY_TTL_S, Keys
 from tokenfleet.transport.server.connection import connect_client
+
+
+class Records:
+    """Completion records and Idempotency-Keys in Redis (see the module's note)."""
+
+    def __init__(self, redis: Any, keys: Keys, idempotency_ttl_s: int):
+        self.redis = redis
+        self.keys = keys
+        self.idempotency_ttl_s = idempotency_ttl_s
+
+    async def save(self, completion: Completion, ttl_s: int = DEFAULT_REPLY_TTL_S) -> None:
+        """Keep ``completion``'s record as long as its replies."""
+        await self.redis.set(self.keys.completion(completion.id), _dump(completion), ex=ttl_s)
+
+    async def load(self, completion_id: str) -> Completion | None:
+        raw = await self.redis.get(self.keys.completion(completion_id))
+        return None if raw is None else Completion(**json.loads(raw))
+
+    async def claim(self, idempotency_key: str, completion: Completion) -> Completion | None:
+        """Make ``idempotency_key`` stand for ``completion``, unless it already stands for another:
+        then that one (a retried POST attaches to it instead of generating again)."""
+        digest = hashlib.sha256(idempotency_key.encode()).hexdigest()
+        key = self.keys.idempotency(digest)
+        if await self.redis.set(key, _dump(completion), nx=True, ex=self.idempotency_ttl_s):
+            return None
+        raw = await self.redis.get(key)
+        return None if raw is None else Completion(**json.loads(raw))
+
+    async def release(self, idempotency_key: str) -> None:
+        """Forget a key whose completion could not be submitted (a retry may try again)."""
+        digest = hashlib.sha256(idempotency_key.encode()).hexdigest()
+        await self.redis.delete(self.keys.idempotency(digest))
+
+
+def _dump(completion: Completion) -> str:
+    return json.dumps(dataclasses.asdict(completion))
 
 
 @dataclass

@@ -103,7 +103,7 @@ class AsyncClient(ClientBase):
 
     async def embed(
         self,
-        inputs: str | Sequence[str] | Sequence[Sequence[int]],
+        inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
         *,
         dimensions: int | None = None,
         normalize: bool | None = None,

@@ -12,6 +12,7 @@ submitting it twice, and appends only what the output lacks.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import time
@@ -24,6 +25,8 @@ from typing import Any
 import redis
 
 from tokenfleet.errors import ProtocolError, RequestFailed
+from tokenfleet.producer.openai.batch import EmbeddingLine
+from tokenfleet.producer.openai.embeddings import EmbeddingBody, little_endian
 from tokenfleet.producer.openai.format import Completion
 from tokenfleet.producer.result import Result
 from tokenfleet.protocol import ErrorCode
@@ -40,7 +43,7 @@ class Job:
 
     requests: list[tuple[str, dict[str, Any]]]
     custom_id: str | None = None  # OpenAI's lines: the caller's own id, echoed in the output
-    completion: Completion | None = None  # OpenAI's lines: what the output's body is built from
+    completion: Completion | EmbeddingLine | None = None  # OpenAI's lines: what the output is built from
     invalid: str | None = None  # why the line cannot run (it fails alone, in its place)
 
 
@@ -89,8 +92,12 @@ def jobs_of(
     for i, item in enumerate(items):
         if "custom_id" in item:
             kind, body = body_of_line(item)
-            completion = Completion.of(f"{prefix}-{i}", kind, body)
             lane = (defaults or {}).get("priority")
+            if isinstance(body, EmbeddingBody):
+                line = EmbeddingLine(f"{prefix}-{i}", body)
+                jobs.append(Job(line.submissions(lane), str(item["custom_id"]), line))
+                continue
+            completion = Completion.of(f"{prefix}-{i}", kind, body)  # type: ignore[arg-type]
             adapter: dict[str, Any] = {"adapter": body.model} if body.model in adapters else {}
             submissions = completion.submissions(body, lane=lane, **adapter)
             jobs.append(Job(submissions, str(item["custom_id"]), completion))
@@ -212,9 +219,11 @@ def run_batch(
     window: int = DEFAULT_WINDOW,
     progress: Callable[[int], object] | None = None,
     timeout: float | None = 3600,
+    base64_vectors: bool = False,
 ) -> dict[str, int]:
     """Run every input line through ``client`` (a producer Client), writing results in input
-    order; returns counts. ``progress(n)`` is called as results are written."""
+    order; returns counts. ``progress(n)`` is called as results are written; embeddings are
+    written as JSON floats, or as base64 of their float32 bytes."""
     from tokenfleet.producer.openai.batch import output_line
     from tokenfleet.producer.openai.controls import decoder
 
@@ -231,7 +240,7 @@ def run_batch(
             if job.completion is not None:
                 row = output_line(i, str(job.custom_id), job.completion, outcome, decoder(client.tokenizer))
             else:
-                row = _row(i, job.requests[0][0], outcome)
+                row = _row(i, job.requests[0][0], outcome, base64_vectors)
             out.write(json.dumps(row) + "\n")
             out.flush()
             if progress:
@@ -241,10 +250,16 @@ def run_batch(
     return counts
 
 
-def _row(index: int, request_id: str, outcome: list[Result] | RequestFailed) -> dict[str, Any]:
+def _row(
+    index: int, request_id: str, outcome: list[Result] | RequestFailed, base64_vectors: bool
+) -> dict[str, Any]:
     row: dict[str, Any] = {"index": index, "id": request_id}
     if isinstance(outcome, RequestFailed):
         row["error"] = {"code": outcome.code, "message": outcome.message}
+    elif outcome[0].embedding is not None:
+        vector = outcome[0].embedding
+        encoded = base64.b64encode(little_endian(vector)).decode() if base64_vectors else vector.tolist()
+        row.update(embedding=encoded, usage=outcome[0].usage)
     else:
         res = outcome[0]
         row.update(text=res.text, token_ids=res.token_ids, finish_reason=res.finish_reason, usage=res.usage)

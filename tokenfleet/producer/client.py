@@ -122,7 +122,7 @@ class Client(ClientBase):
 
     def embed(
         self,
-        inputs: str | Sequence[str] | Sequence[Sequence[int]],
+        inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
         *,
         dimensions: int | None = None,
         normalize: bool | None = None,

@@ -12,7 +12,9 @@ from tokenfleet.producer.result import Result
 from tokenfleet.protocol import ErrorCode
 
 
-def embed_inputs(inputs: str | Sequence[str] | Sequence[Sequence[int]]) -> list[dict[str, Any]]:
+def embed_inputs(
+    inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+) -> list[dict[str, Any]]:
     """``submit`` arguments for each input of :meth:`Client.embed`: texts, or token id lists (one
     text or one id list alone is one input)."""
     alone = isinstance(inputs, str) or (inputs and isinstance(inputs[0], int))

@@ -4,12 +4,14 @@ batch`. No I/O."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
 from tokenfleet.errors import RequestFailed
 from tokenfleet.producer.openai.controls import Decode, token_id_text
+from tokenfleet.producer.openai.embeddings import EMBEDDINGS, EmbeddingBody
 from tokenfleet.producer.openai.format import (
     CHAT_COMPLETIONS,
     CLIENT_ERROR_CODES,
@@ -22,14 +24,32 @@ from tokenfleet.producer.openai.format import (
 from tokenfleet.producer.result import Result
 
 
-def body_of_line(line: dict[str, Any]) -> tuple[Kind, CompletionBody | ChatBody]:
-    """A Batch API input line's endpoint and body; ``ValueError`` saying what is wrong."""
+@dataclass(frozen=True)
+class EmbeddingLine:
+    """A ``/v1/embeddings`` line of a batch: its requests' ids start with ``id``."""
+
+    id: str
+    body: EmbeddingBody
+
+    def submissions(self, lane: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+        """(request id, ``submit`` arguments) of each input; ``ValueError`` for an empty one."""
+        extra = {"priority": lane} if lane else {}
+        return [(f"{self.id}.{k}", {**call, **extra}) for k, call in enumerate(self.body.submissions())]
+
+
+ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS, EMBEDDINGS)
+"""The endpoints a Batch API line may name."""
+
+
+def body_of_line(line: dict[str, Any]) -> tuple[Kind, CompletionBody | ChatBody] | tuple[str, EmbeddingBody]:
+    """A Batch API input line's endpoint (``text``, ``chat`` or ``embed``) and body;
+    ``ValueError`` saying what is wrong."""
     url, method = line.get("url"), line.get("method", "POST")
-    if method != "POST" or url not in (COMPLETIONS, CHAT_COMPLETIONS):
-        raise ValueError(
-            f"method and url must be POST {COMPLETIONS} or {CHAT_COMPLETIONS}, got {method} {url}"
-        )
+    if method != "POST" or url not in ENDPOINTS:
+        raise ValueError(f"method and url must be POST and one of {', '.join(ENDPOINTS)}, got {method} {url}")
     try:
+        if url == EMBEDDINGS:
+            return "embed", EmbeddingBody.model_validate(line.get("body"))
         if url == CHAT_COMPLETIONS:
             return "chat", ChatBody.model_validate(line.get("body"))
         return "text", CompletionBody.model_validate(line.get("body"))
@@ -42,7 +62,7 @@ def body_of_line(line: dict[str, Any]) -> tuple[Kind, CompletionBody | ChatBody]
 def output_line(
     index: int,
     custom_id: str,
-    completion: Completion,
+    completion: Completion | EmbeddingLine,
     outcome: list[Result] | RequestFailed,
     decode: Decode = token_id_text,
 ) -> dict[str, Any]:
@@ -58,6 +78,8 @@ def output_line(
                 "code": outcome.code,
             }
         }
+    elif isinstance(completion, EmbeddingLine):
+        status, body = 200, completion.body.response(outcome)
     else:
         status, body = 200, completion.response(outcome, decode)
     response = {"status_code": status, "request_id": completion.id, "body": body}
