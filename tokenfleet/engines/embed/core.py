@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Hashable
+from dataclasses import replace
 
 import torch
 
@@ -53,6 +54,8 @@ class EmbedCore(CoreFront):
             max_token_chars=facts.max_token_chars,
             kv_tokens_per_seq=embedder.max_tokens,  # no KV: the model's own length is the bound
         )
+        # one step packs its inputs end to end whatever their lengths: mixing buckets pads nothing
+        batching = replace(batching, mix_buckets=True, padding=None)
         super().__init__(facts, limits, batching, clock)
         self.embedder = embedder
         self._running: list[SeqState] = []  # the batch of the step in progress (a failed one aborts it)

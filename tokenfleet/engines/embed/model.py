@@ -17,8 +17,13 @@ from typing import Any
 
 import torch
 
+from tokenfleet.engines.embed.packed import PackedBert, pool_packed
+from tokenfleet.engines.embed.packed import supports as packed_supports
+
 POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "lasttoken")
 BATCH_TOKENS = 8192  # padded tokens per forward: long enough to amortise the call, short for memory
+PACKED_TOKENS = 4096  # real tokens per packed call: activations stay in cache (larger ran slower)
+FORWARD_COST_TOKENS = 256  # what one more forward pass costs, in tokens computed (see split_by_length)
 
 
 class EmbedModelError(ValueError):
@@ -96,6 +101,7 @@ class Embedder:
         self.device = torch.device(device)
         # in eval mode, as loaded
         self.model = AutoModel.from_pretrained(directory, dtype=dtype).to(self.device)
+        self.packed = PackedBert(self.model) if packed_supports(self.model) else None
         positions = getattr(self.model.config, "max_position_embeddings", None)
         limits = [n for n in (self.pipeline.max_seq_length, self.tokenizer.model_max_length, positions) if n]
         self.max_tokens = min(limits) if limits else 512
@@ -117,15 +123,18 @@ class Embedder:
         again (models trained for it); ``normalize``: the model's own choice when None."""
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
         out = torch.empty(len(inputs), self.pipeline.dimension)
-        start = 0
-        while start < len(order):
-            budget = max(BATCH_TOKENS, len(inputs[order[start]]))
-            end = start + 1  # lengths ascend: the batch's last input is its longest
-            while end < len(order) and (end - start + 1) * len(inputs[order[end]]) <= budget:
-                end += 1
-            batch = order[start:end]
-            out[batch] = self._forward([list(inputs[i]) for i in batch]).float().cpu()
-            start = end
+        ranges = split_by_length([len(inputs[i]) for i in order])
+        if self.packed is not None:  # the linears over every input's real tokens at once
+            for chunk in _chunks(ranges, [len(inputs[i]) for i in order]):
+                first, last = chunk[0][0], chunk[-1][1]
+                ids = [inputs[i] for i in order[first:last]]
+                tokens = self.packed(ids, [(s - first, e - first) for s, e in chunk])
+                pooled = pool_packed(tokens, [len(x) for x in ids], self.pipeline.pooling)
+                out[order[first:last]] = pooled.float().cpu()
+        else:
+            for start, end in ranges:
+                batch = order[start:end]
+                out[batch] = self._forward([list(inputs[i]) for i in batch]).float().cpu()
         if dimensions is not None:  # Matryoshka: the first ones, a unit vector again
             out = out[:, :dimensions]
         if normalize is None:
@@ -140,6 +149,44 @@ class Embedder:
         mask = on_device["attention_mask"]
         tokens = self.model(**on_device).last_hidden_state
         return pool(tokens, mask, self.pipeline.pooling)
+
+
+def split_by_length(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """Where to cut inputs sorted by ascending length into forward passes: the cuts that compute
+    the fewest tokens, padding included, counting :data:`FORWARD_COST_TOKENS` per pass (a pass of
+    few rows runs its matmuls below the machine's rate) and at most :data:`BATCH_TOKENS` padded
+    tokens per pass (memory). Returns ``(start, end)`` ranges, in order."""
+    n = len(lengths)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j inputs
+    cut = [0] * (n + 1)
+    for end in range(1, n + 1):
+        longest = lengths[end - 1]
+        for start in range(end - 1, -1, -1):
+            rows = end - start
+            if rows > 1 and rows * longest > BATCH_TOKENS:
+                break
+            cost = best[start] + rows * longest + FORWARD_COST_TOKENS
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    ranges, end = [], n
+    while end > 0:
+        ranges.append((cut[end], end))
+        end = cut[end]
+    return ranges[::-1]
+
+
+def _chunks(ranges: list[tuple[int, int]], lengths: list[int]) -> list[list[tuple[int, int]]]:
+    """``ranges`` gathered into calls of at most :data:`PACKED_TOKENS` real tokens (memory)."""
+    chunks: list[list[tuple[int, int]]] = [[]]
+    held = 0
+    for start, end in ranges:
+        size = sum(lengths[start:end])
+        if chunks[-1] and held + size > PACKED_TOKENS:
+            chunks.append([])
+            held = 0
+        chunks[-1].append((start, end))
+        held += size
+    return chunks
 
 
 def pool(tokens: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
