@@ -78,3 +78,16 @@ def test_a_module_it_does_not_compute_is_refused_by_name(minilm, tmp_path):
     (directory / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(EmbedModelError, match="Dense"):
         read_pipeline(directory)
+
+
+def test_length_splits_compute_the_fewest_tokens():
+    from tokenfleet.engines.embed.packed import FORWARD_COST_TOKENS, split_by_length
+
+    # three short and two long: padding the short ones to 250 costs more than a second pass
+    assert split_by_length([8, 8, 8, 250, 250]) == [(0, 3), (3, 5)]
+    # nearly equal lengths: one pass (a second costs more than the padding it saves)
+    assert split_by_length([100, 101, 102, 103]) == [(0, 4)]
+    # attention's cost grows with the square of the length: it cuts where linears would not
+    lengths = [60, 64, 100, 128]
+    assert len(split_by_length(lengths, power=2, per_pass=1000)) > len(split_by_length(lengths))
+    assert FORWARD_COST_TOKENS > 0

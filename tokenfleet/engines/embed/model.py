@@ -17,13 +17,11 @@ from typing import Any
 
 import torch
 
-from tokenfleet.engines.embed.packed import PackedBert, pool_packed
+from tokenfleet.engines.embed.packed import PackedBert, pool_packed, split_by_length
 from tokenfleet.engines.embed.packed import supports as packed_supports
 
 POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "lasttoken")
-BATCH_TOKENS = 8192  # padded tokens per forward: long enough to amortise the call, short for memory
 PACKED_TOKENS = 4096  # real tokens per packed call: activations stay in cache (larger ran slower)
-FORWARD_COST_TOKENS = 256  # what one more forward pass costs, in tokens computed (see split_by_length)
 
 
 class EmbedModelError(ValueError):
@@ -128,7 +126,7 @@ class Embedder:
             for chunk in _chunks(ranges, [len(inputs[i]) for i in order]):
                 first, last = chunk[0][0], chunk[-1][1]
                 ids = [inputs[i] for i in order[first:last]]
-                tokens = self.packed(ids, [(s - first, e - first) for s, e in chunk])
+                tokens = self.packed(ids)
                 pooled = pool_packed(tokens, [len(x) for x in ids], self.pipeline.pooling)
                 out[order[first:last]] = pooled.float().cpu()
         else:
@@ -149,30 +147,6 @@ class Embedder:
         mask = on_device["attention_mask"]
         tokens = self.model(**on_device).last_hidden_state
         return pool(tokens, mask, self.pipeline.pooling)
-
-
-def split_by_length(lengths: Sequence[int]) -> list[tuple[int, int]]:
-    """Where to cut inputs sorted by ascending length into forward passes: the cuts that compute
-    the fewest tokens, padding included, counting :data:`FORWARD_COST_TOKENS` per pass (a pass of
-    few rows runs its matmuls below the machine's rate) and at most :data:`BATCH_TOKENS` padded
-    tokens per pass (memory). Returns ``(start, end)`` ranges, in order."""
-    n = len(lengths)
-    best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j inputs
-    cut = [0] * (n + 1)
-    for end in range(1, n + 1):
-        longest = lengths[end - 1]
-        for start in range(end - 1, -1, -1):
-            rows = end - start
-            if rows > 1 and rows * longest > BATCH_TOKENS:
-                break
-            cost = best[start] + rows * longest + FORWARD_COST_TOKENS
-            if cost < best[end]:
-                best[end], cut[end] = cost, start
-    ranges, end = [], n
-    while end > 0:
-        ranges.append((cut[end], end))
-        end = cut[end]
-    return ranges[::-1]
 
 
 def _chunks(ranges: list[tuple[int, int]], lengths: list[int]) -> list[list[tuple[int, int]]]:

@@ -14,6 +14,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+BATCH_TOKENS = 8192  # padded tokens per pass: long enough to amortise the call, short for memory
+FORWARD_COST_TOKENS = 256  # one more forward pass, in tokens computed (see split_by_length)
+ATTENTION_PASS_COST = 16384  # one more attention call, in (rows x length^2) scores: a 128-token row's
 PACKED_ROWS_HINT = 4096  # the rows oneDNN lays weights out for: a packed batch's tokens
 
 
@@ -72,11 +75,12 @@ class PackedBert:
             )
 
     @torch.inference_mode()
-    def __call__(self, ids: Sequence[Sequence[int]], groups: list[tuple[int, int]]) -> torch.Tensor:
+    def __call__(self, ids: Sequence[Sequence[int]]) -> torch.Tensor:
         """The last hidden states of ``ids`` (sorted by ascending length), packed: ``[tokens,
-        hidden]``, each input's tokens in turn. ``groups``: ranges of inputs whose attention runs
-        together (padded to the group's longest)."""
+        hidden]``, each input's tokens in turn. Attention runs in groups of similar lengths, each
+        padded to its longest: the cuts that compute the fewest scores."""
         lengths = [len(x) for x in ids]
+        groups = split_by_length(lengths, power=2, per_pass=ATTENTION_PASS_COST)
         device = self.embeddings.word_embeddings.weight.device
         flat = torch.tensor(list(chain.from_iterable(ids)), device=device)
         positions = torch.cat([torch.arange(n, device=device) for n in lengths])
@@ -128,6 +132,33 @@ def _attention_plan(lengths: list[int], start: int, end: int, device: torch.devi
     gather = torch.where(real, local[:, None] + column[None, :], 0).flatten()
     keep = real.flatten().nonzero().squeeze(1)
     return _Plan(first, last, len(group), longest, gather, keep, real[:, None, None, :])
+
+
+def split_by_length(
+    lengths: Sequence[int], power: int = 1, per_pass: float = FORWARD_COST_TOKENS
+) -> list[tuple[int, int]]:
+    """Where to cut inputs sorted by ascending length into passes: the cuts that compute the least,
+    padding included, a pass of ``rows`` inputs padded to ``longest`` costing ``rows *
+    longest**power`` (1: linears, 2: attention) plus ``per_pass`` (a pass of few rows runs below
+    the machine's rate), at most ``BATCH_TOKENS`` padded tokens per pass (memory). Returns
+    ``(start, end)`` ranges, in order."""
+    n = len(lengths)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j inputs
+    cut = [0] * (n + 1)
+    for end in range(1, n + 1):
+        longest = lengths[end - 1]
+        for start in range(end - 1, -1, -1):
+            rows = end - start
+            if rows > 1 and rows * longest > BATCH_TOKENS:
+                break
+            cost = best[start] + rows * longest**power + per_pass
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    ranges, end = [], n
+    while end > 0:
+        ranges.append((cut[end], end))
+        end = cut[end]
+    return ranges[::-1]
 
 
 def pool_packed(tokens: torch.Tensor, lengths: list[int], mode: str) -> torch.Tensor:
