@@ -114,11 +114,25 @@ def test_malformed_entries_fail_alone(embed_worker, redis_url, prefix, minilm, e
         plain = {"v": "4", "id": "plain", "prompt": TEXTS[0], "embed": "{}"}
         r.xadd(keys.auto_stream_of("interactive"), plain)
         generate = client.submit("write a poem")  # this fleet embeds: a generation request is refused
+        # by the auto stream too: never routed (by BERT's tokens) to a generation fleet's bucket
+        generate_auto = Client(redis_url, prefix=prefix).submit("write a poem")
+        long_ids = client.submit(input_ids=[101] + [2000] * 300 + [102], embed=True)  # not cut
+        # a text far past the bucket's reach by characters is still cut, not refused, here
+        huge_text = client.embed(["word " * 5000])[0]
         vectors = np.asarray([h.result(timeout=60).embedding for h in good])
         assert_close(vectors, expected)
-        with pytest.raises(RequestFailed) as refused:
-            generate.result(timeout=60)
-        assert refused.value.code == ErrorCode.INVALID_REQUEST and "embedding model" in refused.value.message
+        for handle in (generate, generate_auto):
+            with pytest.raises(RequestFailed) as refused:
+                handle.result(timeout=60)
+            assert refused.value.code == ErrorCode.INVALID_REQUEST
+            assert "embedding model" in refused.value.message
+        with pytest.raises(RequestFailed) as cut:
+            long_ids.result(timeout=60)
+        assert cut.value.code == ErrorCode.PROMPT_TOO_LONG
+        from sentence_transformers import SentenceTransformer
+
+        want = SentenceTransformer(minilm, device="cpu").encode(["word " * 5000])
+        assert_close(np.asarray([huge_text]), want)
         for rid in ("empty", "types", "spec", "ids", "vocab", "wide", "pooling"):
             events = reply_events(r, prefix, rid)
             assert [e.type for e in events] == ["error"], rid

@@ -41,16 +41,20 @@ def choose_backend(engine: str, device: str) -> tuple[str, str]:
 def build_core(config: WorkerConfig) -> EngineCore:
     """The engine core a worker with ``config`` runs: its backend chosen, loaded and warmed up
     (compiled, where asked) before the worker announces itself."""
+    from tokenfleet.engines.embed.model import is_sentence_transformers
+
     engine = config.engine
-    backend, why = choose_backend(engine.backend, engine.device)
+    embedding = bool(engine.model) and is_sentence_transformers(engine.model or "")
+    if embedding and engine.backend == "auto":  # only the native engine embeds
+        backend, why = "native", "an embedding model"
+    else:
+        backend, why = choose_backend(engine.backend, engine.device)
     log.info("engine backend: %s (%s)", backend, why)
     import torch
 
     # what this process may use (affinity, cgroup quota), not every core the machine has
     torch.set_num_threads(engine.threads or cpu_share().threads)
-    from tokenfleet.engines.embed.model import is_sentence_transformers
-
-    if engine.model and is_sentence_transformers(engine.model):
+    if embedding:
         return _embedding_core(config, backend)
     if backend == "vllm":
         from tokenfleet.engines.vllm.core import VllmCore
@@ -76,10 +80,11 @@ def _embedding_core(config: WorkerConfig, backend: str) -> EngineCore:
     from tokenfleet.engines.native.device import select_device, select_dtype
 
     engine = config.engine
-    if backend == "vllm":
-        from tokenfleet.engines.vllm.embed import VllmEmbedCore
-
-        return VllmEmbedCore.from_config(config)
+    if backend == "vllm":  # vLLM's pooling runner is not behind the core's interface yet
+        raise ValueError(
+            f"--model {engine.model} is an embedding model: the vllm engine serves text generation only; "
+            "use --engine native (it embeds on CPU and GPU)"
+        )
     device = select_device(engine.device)
     # float32 on the CPU unless asked: sentence-transformers' own vectors, and no slower here
     on_cpu_auto = engine.dtype == "auto" and device.type == "cpu"

@@ -36,6 +36,17 @@ def run_openai_batch(
         embedding = Client(redis_url, model=embed_model, prefix=embed_prefix or prefix)
         try:
             return _run(client, embedding, batch_id)
+        except Exception as e:  # the batch must end, not stay in_progress for ever
+            error = {
+                "code": "internal_error",
+                "message": f"{type(e).__name__}: {e}",
+                "param": None,
+                "line": None,
+            }
+            BatchState(client.redis, client.keys.batch(batch_id)).update(
+                status="failed", failed_at=_now(), errors={"object": "list", "data": [error]}
+            )
+            raise
         finally:
             embedding.close()
 

@@ -54,6 +54,6 @@ async def embeddings(body: EmbeddingBody, request: Request) -> JSONResponse:
 
 
 async def _cancel(handles: list[AsyncHandle]) -> None:
-    with contextlib.suppress(Exception):  # best effort: their deadlines end them anyway
-        for handle in handles:
+    for handle in handles:
+        with contextlib.suppress(Exception):  # best effort: their deadlines end them anyway
             await handle.cancel()

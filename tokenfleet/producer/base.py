@@ -26,6 +26,7 @@ from tokenfleet.protocol.request import cannot_fit, max_token_chars
 from tokenfleet.transport import scripts
 
 BUCKETS_TTL_S = 10.0
+LONG_EMBED_CHARS = 8192  # an embedding text longer than this goes to the largest bucket uncounted
 RECONNECT_GIVE_UP_S = 60.0  # following a reply stream survives Redis outages this long
 CANCELS_MAXLEN = 100_000  # recent cancels kept on the stream
 CANCEL_TTL_S = 24 * 3600  # long enough for a queued request to be seen
@@ -253,7 +254,8 @@ class ClientBase:
         """Build the request (token ids when the tokenizer is here) and fail here, not in a
         worker's reply, if it breaks the protocol or its text cannot fit any bucket served
         (checked before tokenizing: a huge prompt costs nothing)."""
-        tokenized_here = prompt is not None and self.tokenizer is not None
+        # an embedding is tokenized by the worker and cut to the model's length, not refused
+        tokenized_here = prompt is not None and self.tokenizer is not None and params.get("embed") is None
         if tokenized_here and buckets and cannot_fit(len(prompt or ""), max(buckets), self.max_token_chars):
             raise ProtocolError(
                 ErrorCode.PROMPT_TOO_LONG,
@@ -269,7 +271,10 @@ class ClientBase:
         this client's tokenizer, where it has one, counts its tokens for the bucket."""
         length = None
         if request.embed is not None and request.prompt is not None and self.tokenizer is not None:
-            length = len(self.tokenizer.encode(request.prompt).ids)
+            # a long text is cut to the model's length anyway: the largest bucket, not a tokenizing
+            # that would hold up an event loop
+            long = len(request.prompt) > LONG_EMBED_CHARS
+            length = max(buckets, default=0) if long else len(self.tokenizer.encode(request.prompt).ids)
         return target_stream(self.keys, request, buckets, length)
 
     def _queue_cancel(self, pipe: Any, request_id: str) -> None:

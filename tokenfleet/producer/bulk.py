@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from tokenfleet.errors import ProtocolError, RequestFailed
+from tokenfleet.errors import ProtocolError, QueueFull, RedisFull, RequestFailed
 from tokenfleet.producer.openai.batch import EmbeddingLine
 from tokenfleet.producer.openai.embeddings import EmbeddingBody, little_endian
 from tokenfleet.producer.openai.format import Completion
@@ -95,7 +95,10 @@ def jobs_of(
             lane = (defaults or {}).get("priority")
             if isinstance(body, EmbeddingBody):
                 line = EmbeddingLine(f"{prefix}-{i}", body)
-                jobs.append(Job(line.submissions(lane), str(item["custom_id"]), line))
+                try:
+                    jobs.append(Job(line.submissions(lane), str(item["custom_id"]), line))
+                except ValueError as e:  # an empty input, or too many: this line fails alone
+                    jobs.append(Job([], str(item["custom_id"]), line, invalid=str(e)))
                 continue
             completion = Completion.of(f"{prefix}-{i}", kind, body)  # type: ignore[arg-type]
             adapter: dict[str, Any] = {"adapter": body.model} if body.model in adapters else {}
@@ -143,6 +146,7 @@ def run_windowed(
                 job = replace(job, requests=again)
                 failure = _submit(client, job)
 
+    in_flight = 0  # requests, not lines: one embeddings line may hold 2048 of them
     for i in range(start, len(jobs)):
         if stop():
             break
@@ -150,18 +154,24 @@ def run_windowed(
         if failure is not None:
             refused[i] = failure
         pending.append(i)
-        if len(pending) >= window:
+        in_flight += max(1, len(jobs[i].requests))
+        while pending and (len(pending) >= window or in_flight >= window):
+            in_flight -= max(1, len(jobs[pending[0]].requests))
             drain_one()
     while pending:
         drain_one()
 
 
 def _submit(client: Any, job: Job) -> RequestFailed | None:
-    """:func:`_submit_once`, again while Redis is away (it skips what is already submitted)."""
+    """:func:`_submit_once`, again while Redis is away or the queue is full (it skips what is
+    already submitted): a bulk job waits for room, as backpressure means."""
     deadline, pause = time.monotonic() + REDIS_AWAY_S, 0.1
     while True:
         try:
             return _submit_once(client, job)
+        except (QueueFull, RedisFull):
+            time.sleep(pause)  # the fleet drains the queue: no deadline but the job's own
+            pause = min(pause * 2, 5.0)
         except (redis.ConnectionError, redis.TimeoutError):
             if time.monotonic() + pause > deadline:
                 raise

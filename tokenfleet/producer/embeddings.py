@@ -40,6 +40,8 @@ def embed_spec(dimensions: int | None, normalize: bool | None, truncate: bool) -
 
 
 def vector_or_raise(result: Result) -> array[float]:
+    if result.embedding is None and result.finish_reason == "cancelled":
+        raise RequestFailed(result.id, "cancelled", "the request was cancelled")
     if result.embedding is None:  # a worker that answered with text: not an embedding fleet
         raise RequestFailed(result.id, ErrorCode.INTERNAL, "the reply carried no embedding")
     return result.embedding

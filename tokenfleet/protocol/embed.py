@@ -47,7 +47,7 @@ class EmbedSpec:
 def parse_embed(value: Any) -> EmbedSpec:
     """An ``embed`` map (``{}`` for the model's defaults) as an :class:`EmbedSpec`; raises
     ``ValueError`` naming what is wrong."""
-    if value is True:  # the plain form's shorthand: ``embed 1``
+    if value is True:  # the plain form's shorthand: ``embed true``
         return EmbedSpec()
     if not isinstance(value, dict):
         raise ValueError("embed must be a map (dimensions, normalize, pooling, truncate)")

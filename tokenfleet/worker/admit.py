@@ -72,6 +72,11 @@ class Admitter:
     def _admit(self, incoming: Incoming) -> Refusal | None:
         entry, request = incoming.entry, incoming.request
         assert request is not None  # an entry without a request carries its refusal
+        if self.core.facts.task == "embed" and request.embed is None:  # never routed by its tokens
+            return Refusal(
+                ErrorCode.INVALID_REQUEST,
+                "this worker serves an embedding model: it embeds (embed) and does not generate text",
+            )
         if entry.stream in self.auto_streams:
             return self._route(entry, request)
         seq = self._sequence(entry, request)
@@ -109,7 +114,7 @@ class Admitter:
         return True
 
     def _sequence(self, entry: Entry, request: Request) -> SeqState | Refusal:
-        refusal = self.core.admission.check_cap(request)
+        refusal = None if request.embed is not None else self.core.admission.check_cap(request)
         ids = refusal or self._tokens(request)
         if isinstance(ids, Refusal):
             return ids

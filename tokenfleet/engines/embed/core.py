@@ -40,7 +40,8 @@ class EmbedCore(CoreFront):
         facts = ModelFacts(
             tokenizer=tokenizer,
             eos_token_ids=frozenset(),
-            vocab_size=len(tokenizer),
+            # ids past the model's table would fail the whole batch's forward
+            vocab_size=min(len(tokenizer), embedder.model.get_input_embeddings().num_embeddings),
             max_token_chars=max_token_chars(tokenizer),
             device=device,
             dtype=str(embedder.model.dtype).removeprefix("torch."),
@@ -77,7 +78,8 @@ class EmbedCore(CoreFront):
                 return refusal
         else:
             ids = self.embedder.tokenize([request.prompt or ""], truncate=spec.truncate)[0]
-        if len(ids) > longest and not spec.truncate:
+        if len(ids) > longest and (not spec.truncate or request.input_ids is not None):
+            # token ids are the caller's own: cutting them would drop its closing special token
             return Refusal(
                 ErrorCode.PROMPT_TOO_LONG, f"input has {len(ids)} tokens; this model embeds at most {longest}"
             )
@@ -123,12 +125,12 @@ class EmbedCore(CoreFront):
             seq.started, seq.batch_size = started, len(seqs)
         self._running = seqs
         vectors = self.embedder.embed([seq.prompt_ids for seq in seqs], normalize=False)
-        self._running = []
         ended = time.time()
         out = []
         for seq, vector in zip(seqs, vectors, strict=True):
             seq.first_token_at = ended
             out.append((seq, self._finished(vector, seq.request.embed or EmbedSpec())))
+        self._running = []  # only now: a failure above leaves them to be aborted and answered
         real = batch.prompt_tokens
         event = BatchEvent("prefill", len(seqs), real, 1, 0.0, prompt_tokens=real)
         return StepOutput(embedded=out, batches=[event])

@@ -173,7 +173,7 @@ def pool(tokens: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
         return tokens[torch.arange(tokens.shape[0]), last]
     weights = mask.unsqueeze(-1).to(tokens.dtype)
     if mode == "max_tokens":
-        return tokens.masked_fill(weights == 0, -1e9).max(1).values
+        return tokens.masked_fill(weights == 0, torch.finfo(tokens.dtype).min).max(1).values
     summed, counts = (tokens * weights).sum(1), weights.sum(1).clamp(min=1e-9)
     return summed / (counts.sqrt() if mode == "mean_sqrt_len_tokens" else counts)
 

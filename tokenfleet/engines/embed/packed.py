@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 BATCH_TOKENS = 8192  # padded tokens per pass: long enough to amortise the call, short for memory
 FORWARD_COST_TOKENS = 256  # one more forward pass, in tokens computed (see split_by_length)
-ATTENTION_PASS_COST = 16384  # one more attention call, in (rows x length^2) scores: a 128-token row's
+ATTENTION_PASS_COST = 16384  # one more attention call, in rows x length^2: a 128-token row's scores
 PACKED_ROWS_HINT = 4096  # the rows oneDNN lays weights out for: a packed batch's tokens
 
 
@@ -174,7 +174,8 @@ def pool_packed(tokens: torch.Tensor, lengths: list[int], mode: str) -> torch.Te
     shape = (len(lengths), tokens.shape[1])
     if mode == "max_tokens":
         index = owner[:, None].expand_as(tokens)
-        return torch.full(shape, -torch.inf, device=device).scatter_reduce(0, index, tokens, "amax")
+        lowest = torch.full(shape, -torch.inf, dtype=tokens.dtype, device=device)
+        return lowest.scatter_reduce(0, index, tokens, "amax")
     summed = torch.zeros(shape, dtype=tokens.dtype, device=device).index_add_(0, owner, tokens)
     counts = sizes.to(tokens.dtype)[:, None]
     return summed / (counts.sqrt() if mode == "mean_sqrt_len_tokens" else counts)
