@@ -190,6 +190,15 @@ def _start_batch_jobs(config: GatewayConfig, stop: threading.Event) -> threading
         def _install_signal_handlers(self) -> None:
             pass
 
+        # RQ's command channel (stop or kill a job) is not used here: a batch is cancelled through
+        # its own record. Its pub/sub thread, made and stopped on every one-second pass, could hold a
+        # pass (and the gateway's shutdown) for up to a minute in redis-py's stop()
+        def subscribe(self) -> None:
+            pass
+
+        def unsubscribe(self) -> None:
+            pass
+
     def work() -> None:
         connection = connect_server(config.redis.url)
         queue = Queue(rq_queue(config.redis.prefix), connection=connection, serializer=JSONSerializer)

@@ -16,7 +16,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenfleet.config import redis_url_from_env
 from tokenfleet.producer.base import (
-    LIVENESS_S,
     RECONNECT_GIVE_UP_S,
     ClientBase,
     Continuity,
@@ -152,8 +151,8 @@ class AsyncClient(ClientBase):
             left_s = max(0.0, follow.deadline - time.monotonic())
             timed_out = result_timeout(follow.request_id, follow.timeout)
             expiry = loop.call_later(left_s, inbox.put_nowait, timed_out)
-        # a quiet stream is looked at every LIVENESS_S: an empty list in the inbox says when
-        ticker = loop.call_later(LIVENESS_S, inbox.put_nowait, [])
+        # a quiet stream is looked at (Liveness): an empty list in the inbox says when
+        ticker = loop.call_later(max(0.01, follow.liveness.wait_s()), inbox.put_nowait, [])
         try:
             while not follow.ended:
                 follow.block_ms()  # raises past the deadline
@@ -163,7 +162,7 @@ class AsyncClient(ClientBase):
                 if not entries:
                     if follow.due():
                         follow.judge(await self._exists(follow.key))
-                    ticker = loop.call_later(LIVENESS_S, inbox.put_nowait, [])
+                    ticker = loop.call_later(max(0.01, follow.liveness.wait_s()), inbox.put_nowait, [])
                     continue
                 for event in follow.arrived(entries):
                     yield event

@@ -34,6 +34,9 @@ CANCEL_TTL_S = 24 * 3600  # long enough for a queued request to be seen
 
 RETRY_S = 0.2  # pause between reads of a reply stream while Redis is unreachable
 LIVENESS_S = 5.0  # a follower that got no event this long checks that its reply stream exists
+# ... and the first time sooner: after a Redis restart a bulk job follows its lost requests one
+# after another, and each found lost in 5 s held a 32-line job for a minute
+FIRST_LIVENESS_S = 1.0
 ALIVE_GROUP = "tokenfleet-alive"  # made and dropped at once: it creates the stream empty
 SUBMITTED_KEPT = 100_000  # ids a client remembers submitting (their streams surely existed)
 
@@ -51,7 +54,8 @@ def mark_reply_stream(pipe: Any, key: str, ttl_s: int) -> None:
 class Liveness:
     """Says ``lost`` when a followed request's reply stream is gone: it exists from the enqueue
     on (:func:`mark_reply_stream`) until its TTL, so its absence means Redis lost the request (a
-    restart without persistence, a failover). Checked after :data:`LIVENESS_S` without events.
+    restart without persistence, a failover). Checked after :data:`FIRST_LIVENESS_S`, then every
+    :data:`LIVENESS_S`, without events.
     A stream never seen (a request a producer in another language enqueued without the marker,
     not started yet) is waited for, as before."""
 
@@ -59,19 +63,25 @@ class Liveness:
         self.request_id = request_id
         self.seen = known
         self.checked = time.monotonic()
+        self.interval = FIRST_LIVENESS_S
+
+    def wait_s(self) -> float:
+        """Seconds until the next check is due (0 or less: due now)."""
+        return self.checked + self.interval - time.monotonic()
 
     def due(self) -> bool:
-        return time.monotonic() - self.checked >= LIVENESS_S
+        return self.wait_s() <= 0
 
     def events_came(self) -> None:
-        self.seen, self.checked = True, time.monotonic()
+        self.seen, self.checked, self.interval = True, time.monotonic(), LIVENESS_S
 
     def judge(self, exists: bool | None) -> None:
         """After an EXISTS of the stream (None: Redis away, the read's own retries deal with it);
         raises :class:`RequestFailed` ``lost``."""
-        if exists is None:
+        if exists is None:  # asked again after the interval, not in a loop while Redis is away
+            self.checked = time.monotonic()
             return
-        self.checked = time.monotonic()
+        self.checked, self.interval = time.monotonic(), LIVENESS_S
         if exists:
             self.seen = True
         elif self.seen:
@@ -120,7 +130,8 @@ class Following:
     def wait_s(self) -> float:
         """How long to wait for the shared read's next entries before looking at the stream;
         raises :class:`ResultTimeout` past the deadline."""
-        wait_s = LIVENESS_S if self.deadline is None else min(LIVENESS_S, self.deadline - time.monotonic())
+        check_s = max(0.01, self.liveness.wait_s())
+        wait_s = check_s if self.deadline is None else min(check_s, self.deadline - time.monotonic())
         if wait_s <= 0:
             raise result_timeout(self.request_id, self.timeout)
         return wait_s
