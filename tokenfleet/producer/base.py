@@ -34,9 +34,7 @@ CANCEL_TTL_S = 24 * 3600  # long enough for a queued request to be seen
 
 RETRY_S = 0.2  # pause between reads of a reply stream while Redis is unreachable
 LIVENESS_S = 5.0  # a follower that got no event this long checks that its reply stream exists
-# ... and the first time sooner: after a Redis restart a bulk job follows its lost requests one
-# after another, and each found lost in 5 s held a 32-line job for a minute
-FIRST_LIVENESS_S = 1.0
+FIRST_LIVENESS_S = 1.0  # the first check sooner: a bulk job follows its lost requests one by one
 ALIVE_GROUP = "tokenfleet-alive"  # made and dropped at once: it creates the stream empty
 SUBMITTED_KEPT = 100_000  # ids a client remembers submitting (their streams surely existed)
 
@@ -65,8 +63,7 @@ class Liveness:
         self.checked = time.monotonic()
         self.interval = FIRST_LIVENESS_S
 
-    def wait_s(self) -> float:
-        """Seconds until the next check is due (0 or less: due now)."""
+    def wait_s(self) -> float:  # until the next check is due (0 or less: now)
         return self.checked + self.interval - time.monotonic()
 
     def due(self) -> bool:
@@ -137,8 +134,7 @@ class Following:
         return wait_s
 
     def due(self) -> bool:
-        """Whether, after a wait that brought nothing, the stream's existence is to be checked
-        (then pass what EXISTS said, or None, to :meth:`judge`)."""
+        """Whether to check the stream exists after a quiet wait (then :meth:`judge` the answer)."""
         return self.liveness.due()
 
     def judge(self, exists: bool | None) -> None:
