@@ -36,6 +36,7 @@ def test_the_environment_is_read_in_config_loading_only():
     assert sorted(set(readers)) == [
         "config/loading.py",
         "engines/vllm/core.py",
+        "engines/vllm/embed.py",
         "worker/process/malloc.py",
     ]
 

@@ -45,7 +45,7 @@ def build_core(config: WorkerConfig) -> EngineCore:
 
     engine = config.engine
     embedding = bool(engine.model) and is_sentence_transformers(engine.model or "")
-    if embedding and engine.backend == "auto":  # only the native engine embeds
+    if embedding and engine.backend == "auto":  # vLLM's pooling runner only when asked for
         backend, why = "native", "an embedding model"
     else:
         backend, why = choose_backend(engine.backend, engine.device)
@@ -80,12 +80,11 @@ def _embedding_core(config: WorkerConfig, backend: str) -> EngineCore:
     from tokenfleet.engines.native.device import select_device, select_dtype
 
     engine = config.engine
-    if backend == "vllm":  # vLLM's pooling runner is not behind the core's interface yet
-        raise ValueError(
-            f"--model {engine.model} is an embedding model: the vllm engine serves text generation only; "
-            "use --engine native (it embeds on CPU and GPU)"
-        )
     device = select_device(engine.device)
+    if backend == "vllm":
+        from tokenfleet.engines.vllm.embed import VllmEmbedder
+
+        return EmbedCore(VllmEmbedder.from_config(config), config.batching, str(device))
     # float32 on the CPU unless asked: sentence-transformers' own vectors, and no slower here
     on_cpu_auto = engine.dtype == "auto" and device.type == "cpu"
     dtype = torch.float32 if on_cpu_auto else select_dtype(engine.dtype, device)

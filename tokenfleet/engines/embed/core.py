@@ -15,7 +15,7 @@ from tokenfleet.core.admission import Limits
 from tokenfleet.core.front import CoreFront
 from tokenfleet.core.interface import BatchEvent, Capacity, ModelFacts, StepOutput
 from tokenfleet.core.sequence import SeqState
-from tokenfleet.engines.embed.model import Embedder
+from tokenfleet.engines.embed.model import EmbedModel
 from tokenfleet.protocol import ErrorCode, Refusal, Request
 from tokenfleet.protocol.adapters import AdapterRecord
 from tokenfleet.protocol.embed import EmbedSpec
@@ -25,13 +25,12 @@ _POOLING_NAMES = {"mean_tokens": "mean", "lasttoken": "last"}  # the wire's name
 
 
 class EmbedCore(CoreFront):
-    """The :class:`~tokenfleet.core.interface.EngineCore` of a sentence-transformers model."""
-
-    backend = "native"
+    """The :class:`~tokenfleet.core.interface.EngineCore` of a sentence-transformers model, whichever
+    engine runs its forward passes (``embedder``: torch's, or vLLM's pooling runner)."""
 
     def __init__(
         self,
-        embedder: Embedder,
+        embedder: EmbedModel,
         batching: DynamicBatchingConfig,
         device: str = "cpu",
         clock: Callable[[], float] = time.monotonic,
@@ -40,11 +39,10 @@ class EmbedCore(CoreFront):
         facts = ModelFacts(
             tokenizer=tokenizer,
             eos_token_ids=frozenset(),
-            # ids past the model's table would fail the whole batch's forward
-            vocab_size=min(len(tokenizer), embedder.model.get_input_embeddings().num_embeddings),
+            vocab_size=embedder.vocab_size,
             max_token_chars=max_token_chars(tokenizer),
             device=device,
-            dtype=str(embedder.model.dtype).removeprefix("torch."),
+            dtype=embedder.dtype,
             task="embed",
         )
         limits = Limits(
@@ -59,6 +57,7 @@ class EmbedCore(CoreFront):
         batching = replace(batching, mix_buckets=True, padding=None)
         super().__init__(facts, limits, batching, clock)
         self.embedder = embedder
+        self.backend = embedder.backend
         self._running: list[SeqState] = []  # the batch of the step in progress (a failed one aborts it)
 
     # -- what it takes --------------------------------------------------------------------------

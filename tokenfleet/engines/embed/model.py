@@ -88,21 +88,22 @@ def is_sentence_transformers(directory: str | Path) -> bool:
     return (Path(directory) / "modules.json").is_file()
 
 
-class Embedder:
-    """The model at ``directory`` in ``dtype``; :meth:`embed` turns texts or token ids into vectors."""
+class EmbedModel:
+    """What every engine's embedding model shares: the pipeline, the tokenizer and the longest input
+    of the sentence-transformers directory at ``directory``. :meth:`pooled` (the forward passes and
+    pooling) is the engine's; :meth:`embed` cuts and normalises the pooled vectors."""
 
-    def __init__(self, directory: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-        from transformers import AutoModel, AutoTokenizer
+    backend = "native"
+    dtype = "float32"
+
+    def __init__(self, directory: str | Path, positions: int | None = None):
+        from transformers import AutoTokenizer
 
         self.pipeline = read_pipeline(directory)
         self.tokenizer = AutoTokenizer.from_pretrained(directory)
-        self.device = torch.device(device)
-        # in eval mode, as loaded
-        self.model = AutoModel.from_pretrained(directory, dtype=dtype).to(self.device)
-        self.packed = PackedBert(self.model) if packed_supports(self.model) else None
-        positions = getattr(self.model.config, "max_position_embeddings", None)
         limits = [n for n in (self.pipeline.max_seq_length, self.tokenizer.model_max_length, positions) if n]
         self.max_tokens = min(limits) if limits else 512
+        self.vocab_size = len(self.tokenizer)
 
     def tokenize(self, texts: Sequence[str], truncate: bool = True) -> list[list[int]]:
         """Each text's token ids, as sentence-transformers makes them (special tokens, truncation
@@ -112,13 +113,43 @@ class Embedder:
         limit = {"truncation": True, "max_length": self.max_tokens} if truncate else {}
         return list(self.tokenizer(list(texts), **limit)["input_ids"])
 
-    @torch.inference_mode()
+    def pooled(self, inputs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Float32 pooled vectors ``[len(inputs), dimension]`` of tokenized inputs, in their order,
+        not normalised."""
+        raise NotImplementedError
+
     def embed(
         self, inputs: Sequence[Sequence[int]], dimensions: int | None = None, normalize: bool | None = None
     ) -> torch.Tensor:
         """Float32 vectors ``[len(inputs), dimensions or the model's]`` of tokenized inputs (see
         :meth:`tokenize`), in their order. ``dimensions``: keep the first ones, then normalise
         again (models trained for it); ``normalize``: the model's own choice when None."""
+        out = self.pooled(inputs)
+        if dimensions is not None:  # Matryoshka: the first ones, a unit vector again
+            out = out[:, :dimensions]
+        if normalize is None:
+            normalize = self.pipeline.normalize or dimensions is not None
+        return torch.nn.functional.normalize(out, p=2, dim=1) if normalize else out
+
+
+class Embedder(EmbedModel):
+    """The model at ``directory`` in ``dtype``, run by torch: BERT-family encoders packed (see
+    :mod:`.packed`), any other ``AutoModel`` by its own forward over batches of similar lengths."""
+
+    def __init__(self, directory: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        from transformers import AutoModel
+
+        self.device = torch.device(device)
+        # in eval mode, as loaded
+        self.model = AutoModel.from_pretrained(directory, dtype=dtype).to(self.device)
+        super().__init__(directory, getattr(self.model.config, "max_position_embeddings", None))
+        # ids past the model's table would fail the whole batch's forward
+        self.vocab_size = min(self.vocab_size, self.model.get_input_embeddings().num_embeddings)
+        self.dtype = str(self.model.dtype).removeprefix("torch.")
+        self.packed = PackedBert(self.model) if packed_supports(self.model) else None
+
+    @torch.inference_mode()
+    def pooled(self, inputs: Sequence[Sequence[int]]) -> torch.Tensor:
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
         out = torch.empty(len(inputs), self.pipeline.dimension)
         ranges = split_by_length([len(inputs[i]) for i in order])
@@ -133,11 +164,7 @@ class Embedder:
             for start, end in ranges:
                 batch = order[start:end]
                 out[batch] = self._forward([list(inputs[i]) for i in batch]).float().cpu()
-        if dimensions is not None:  # Matryoshka: the first ones, a unit vector again
-            out = out[:, :dimensions]
-        if normalize is None:
-            normalize = self.pipeline.normalize or dimensions is not None
-        return torch.nn.functional.normalize(out, p=2, dim=1) if normalize else out
+        return out
 
     def _forward(self, ids: list[list[int]]) -> torch.Tensor:
         features = self.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
