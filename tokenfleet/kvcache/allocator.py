@@ -157,15 +157,17 @@ class BlockAllocator:
 
     # -- changes --------------------------------------------------------------------------------
 
-    def allocate(self, seq_id: Hashable, tokens: Sequence[int], salt: bytes = b"") -> Allocation | None:
+    def allocate(
+        self, seq_id: Hashable, tokens: Sequence[int], salt: bytes = b"", cache: bool = True
+    ) -> Allocation | None:
         """Blocks for a new sequence of ``tokens``: the cached blocks it begins with, shared, and
         new ones for the rest (those it fills are named at once, under ``salt``); None if the
-        pool lacks room."""
+        pool lacks room. ``cache=False``: new blocks, never named (every token computed, read once)."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds blocks")
         if len(tokens) < 1:
             raise ValueError("a sequence needs at least one token")
-        cached = self.cached_prefix(tokens, salt)
+        cached = self.cached_prefix(tokens, salt) if cache else []
         new = self.blocks_needed(len(tokens)) - len(cached)
         if new + sum(self._refs[b] == 0 for b in cached) > len(self._free):
             return None
@@ -175,12 +177,13 @@ class BlockAllocator:
         self._tables[seq_id] = table
         self._lengths[seq_id] = len(tokens)
         full = len(tokens) // self.block_size
-        chain = list(self._names(tokens, salt)) if self.prefix_caching else []
+        named = self.prefix_caching and cache
+        chain = list(self._names(tokens, salt)) if named else []
         self._chains[seq_id], self._roots[seq_id] = chain, salted_root(salt) if salt else ROOT
         self._tail[seq_id] = list(tokens[full * self.block_size :])
         for i in range(len(cached), len(chain)):
             self._name_block(table[i], chain[i])
-        if self.prefix_caching:
+        if named:
             self.queries += len(tokens)
             self.hits += len(cached) * self.block_size
         return Allocation(list(table), len(cached) * self.block_size)

@@ -107,11 +107,12 @@ class AsyncClient(ClientBase):
         dimensions: int | None = None,
         normalize: bool | None = None,
         truncate: bool = True,
+        pooling: str | None = None,
         timeout: float | None = None,
         **params: Any,
     ) -> list[array[float]]:
         """Each input's vector, in order (see :meth:`Client.embed`)."""
-        spec = embed_spec(dimensions, normalize, truncate)
+        spec = embed_spec(dimensions, normalize, truncate, pooling)
         handles = [await self.submit(**call, embed=spec, **params) for call in embed_inputs(inputs)]
         results = await asyncio.gather(*(handle.result(timeout) for handle in handles))
         return [vector_or_raise(result) for result in results]

@@ -127,16 +127,19 @@ class Client(ClientBase):
         dimensions: int | None = None,
         normalize: bool | None = None,
         truncate: bool = True,
+        pooling: str | None = None,
         timeout: float | None = None,
         **params: Any,
     ) -> list[array[float]]:
         """Each input's vector, in order, as float32 ``array`` objects (``np.asarray(vectors)`` is the
-        matrix), from a fleet serving an embedding model. ``inputs``: texts or token id lists;
-        ``dimensions``: the first ones, normalised again; ``normalize``: as the model's config says
-        unless given; ``truncate``: inputs longer than the model takes are cut as
-        sentence-transformers cuts them (else refused). ``params``: ``priority``, ``deadline_ms``,
-        ``reply_ttl_s``. Raises :class:`~tokenfleet.errors.RequestFailed` for an input that fails."""
-        spec = embed_spec(dimensions, normalize, truncate)
+        matrix), from a fleet serving an embedding model (or a generation model's, pooling its own
+        hidden states). ``inputs``: texts or token id lists; ``dimensions``: the first ones,
+        normalised again; ``normalize``: as the model's config says unless given; ``truncate``:
+        inputs longer than the model takes are cut as sentence-transformers cuts them (else
+        refused); ``pooling``: ``mean`` or ``last`` on a generation model. ``params``:
+        ``priority``, ``deadline_ms``, ``reply_ttl_s``. Raises
+        :class:`~tokenfleet.errors.RequestFailed` for an input that fails."""
+        spec = embed_spec(dimensions, normalize, truncate, pooling)
         handles = [self.submit(**call, embed=spec, **params) for call in embed_inputs(inputs)]
         return [vector_or_raise(handle.result(timeout)) for handle in handles]
 

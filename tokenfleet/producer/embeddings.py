@@ -30,8 +30,12 @@ def embed_inputs(
     return calls
 
 
-def embed_spec(dimensions: int | None, normalize: bool | None, truncate: bool) -> dict[str, Any]:
+def embed_spec(
+    dimensions: int | None, normalize: bool | None, truncate: bool, pooling: str | None = None
+) -> dict[str, Any]:
     spec: dict[str, Any] = {"truncate": truncate}
+    if pooling is not None:
+        spec["pooling"] = pooling
     if dimensions is not None:
         spec["dimensions"] = dimensions
     if normalize is not None:

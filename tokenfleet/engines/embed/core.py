@@ -8,14 +8,12 @@ import time
 from collections.abc import Callable, Collection, Hashable
 from dataclasses import replace
 
-import torch
-
 from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.core.admission import Limits
 from tokenfleet.core.front import CoreFront
 from tokenfleet.core.interface import BatchEvent, Capacity, ModelFacts, StepOutput
 from tokenfleet.core.sequence import SeqState
-from tokenfleet.engines.embed.model import EmbedModel
+from tokenfleet.engines.embed.model import EmbedModel, vector_bytes
 from tokenfleet.protocol import ErrorCode, Refusal, Request
 from tokenfleet.protocol.adapters import AdapterRecord
 from tokenfleet.protocol.embed import EmbedSpec
@@ -128,22 +126,12 @@ class EmbedCore(CoreFront):
         out = []
         for seq, vector in zip(seqs, vectors, strict=True):
             seq.first_token_at = ended
-            out.append((seq, self._finished(vector, seq.request.embed or EmbedSpec())))
+            spec = seq.request.embed or EmbedSpec()
+            out.append((seq, vector_bytes(vector, spec, self.embedder.pipeline.normalize)))
         self._running = []  # only now: a failure above leaves them to be aborted and answered
         real = batch.prompt_tokens
         event = BatchEvent("prefill", len(seqs), real, 1, 0.0, prompt_tokens=real)
         return StepOutput(embedded=out, batches=[event])
-
-    def _finished(self, pooled: torch.Tensor, spec: EmbedSpec) -> bytes:
-        """The vector a request asked for: its first ``dimensions``, normalised as asked (by
-        default as the model's config says, and always after a cut), as float32 bytes."""
-        vector = pooled if spec.dimensions is None else pooled[: spec.dimensions]
-        normalize = spec.normalize
-        if normalize is None:
-            normalize = self.embedder.pipeline.normalize or spec.dimensions is not None
-        if normalize:
-            vector = torch.nn.functional.normalize(vector, p=2, dim=0)
-        return vector.float().numpy().astype("<f4").tobytes()
 
     # -- what it holds --------------------------------------------------------------------------
 

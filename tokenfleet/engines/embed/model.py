@@ -19,6 +19,7 @@ import torch
 
 from tokenfleet.engines.embed.packed import PackedBert, pool_packed, split_by_length
 from tokenfleet.engines.embed.packed import supports as packed_supports
+from tokenfleet.protocol.embed import EmbedSpec
 
 POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "lasttoken")
 PACKED_TOKENS = 4096  # real tokens per packed call: activations stay in cache (larger ran slower)
@@ -203,6 +204,19 @@ def pool(tokens: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
         return tokens.masked_fill(weights == 0, torch.finfo(tokens.dtype).min).max(1).values
     summed, counts = (tokens * weights).sum(1), weights.sum(1).clamp(min=1e-9)
     return summed / (counts.sqrt() if mode == "mean_sqrt_len_tokens" else counts)
+
+
+def vector_bytes(pooled: torch.Tensor, spec: EmbedSpec, model_normalizes: bool) -> bytes:
+    """The vector a request asked for, as the wire carries it (little-endian float32 bytes): its
+    first ``dimensions``, normalised as asked (by default as the model does, and always after a
+    cut)."""
+    vector = pooled if spec.dimensions is None else pooled[: spec.dimensions]
+    normalize = spec.normalize
+    if normalize is None:
+        normalize = model_normalizes or spec.dimensions is not None
+    if normalize:
+        vector = torch.nn.functional.normalize(vector, p=2, dim=0)
+    return vector.float().numpy().astype("<f4").tobytes()
 
 
 def _json(path: Path) -> Any:

@@ -20,8 +20,9 @@ from tokenfleet.core.interface import BatchEvent, Capacity, StepOutput
 from tokenfleet.core.scheduler import Scheduler
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.engines.native.lora.gate import AdapterGate, adapter_key
+from tokenfleet.engines.native.own_embeds import OwnEmbeds
 from tokenfleet.engines.native.types import PrefillResult, Runner
-from tokenfleet.protocol import Refusal
+from tokenfleet.protocol import Refusal, Request
 from tokenfleet.protocol.adapters import AdapterRecord
 
 
@@ -51,12 +52,18 @@ class NativeCore(CoreFront):
         self.runner = runner
         self.scheduler = Scheduler(self.batcher, batching, runner.kv, runner.num_blocks)
         self.adapters = AdapterGate(runner.lora)
+        self.embeds = OwnEmbeds(runner, batching, clock)  # embedding requests, on the model's own states
 
     # -- what it holds --------------------------------------------------------------------------
+
+    def embed_ids(self, request: Request) -> list[int] | Refusal:
+        return self.embeds.ids(request, self.facts, self.admission)
 
     def add(self, seq: SeqState, arrived: float) -> Refusal | None:
         """Queue ``seq``, or park it while its adapter loads; a :class:`Refusal` if it can never
         run here."""
+        if seq.request.embed is not None:
+            return self.admission.queue(seq, arrived, self.embeds.batcher)
         refusal = self.adapters.refusal(seq)
         refusal = refusal or self.admission.check_tokens(len(seq.prompt_ids), seq.request.max_new_tokens)
         if refusal is not None or self.adapters.park(seq, arrived):
@@ -70,23 +77,31 @@ class NativeCore(CoreFront):
 
     def held(self) -> list[SeqState]:
         """Every sequence this core holds: running, preempted, waiting and parked."""
-        return [*self.running(), *self.waiting(), *self.adapters.held()]
+        return [*self.running(), *self.waiting(), *self.adapters.held(), *self.embeds.waiting()]
 
     def running(self) -> list[SeqState]:
-        return [*self.scheduler.running, *self.scheduler.preempted]
+        return [*self.scheduler.running, *self.scheduler.preempted, *self.embeds.running]
 
     @property
     def num_waiting(self) -> int:
         """Read from Redis, not yet started (the no-hoarding bound applies to this)."""
-        return self.scheduler.num_waiting + len(self.adapters.held())
+        return self.scheduler.num_waiting + len(self.adapters.held()) + len(self.embeds.batcher)
 
     def waiting_in(self, lane: int) -> int:
         scheduled = self.batcher.waiting_in(lane) + self.scheduler.preempted.in_lane(lane)
-        return scheduled + self.adapters.waiting_in(lane)
+        return scheduled + self.adapters.waiting_in(lane) + self.embeds.batcher.waiting_in(lane)
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self.adapters.has_news
+        return self.scheduler.has_work or self.adapters.has_news or self.embeds.batcher.is_due()
+
+    def ready_at(self) -> float | None:
+        times = [t for t in (super().ready_at(), self.embeds.batcher.ready_at()) if t is not None]
+        return min(times, default=None)
+
+    def set_wait(self, lane: int, seconds: float) -> None:
+        super().set_wait(lane, seconds)
+        self.embeds.batcher.set_wait(lane, seconds)
 
     def capacity(self) -> Capacity:
         return replace(
@@ -105,6 +120,9 @@ class NativeCore(CoreFront):
     def step(self, flush: bool = False) -> StepOutput:
         """Run one forward pass if any is due; returns what it produced. ``flush`` starts waiting
         requests without waiting for their batch to be due (shutdown)."""
+        if self.embeds.is_due(decoding=bool(self.scheduler.running), flush=flush):
+            return self.embeds.step(self.scheduler.allocator, flush)
+        self.embeds.generation_ran()
         scheduled = self.scheduler.schedule(flush)
         batch = scheduled.batch
         if batch is None:
@@ -141,7 +159,7 @@ class NativeCore(CoreFront):
     def abort(self, keys: Collection[Hashable]) -> list[SeqState]:
         """Remove these sequences wherever they are (running, preempted, waiting, parked), freeing
         their blocks; used for cancellation, deadlines and failed steps."""
-        return self.scheduler.abort(keys) + self.adapters.drop(keys)
+        return self.scheduler.abort(keys) + self.adapters.drop(keys) + self.embeds.abort(keys)
 
 
 def prefill_event(batch: PrefillBatch, result: PrefillResult) -> BatchEvent:

@@ -33,7 +33,7 @@ from tokenfleet.engines.native.probe import check_runner, probe_tokens, take_ref
 from tokenfleet.engines.native.sampling.grammar_masks import GrammarMasks, PendingMasks
 from tokenfleet.engines.native.sampling.logits_process import choose_controlled
 from tokenfleet.engines.native.shapes import decode_buckets, prefill_forwards, prefill_padded_size
-from tokenfleet.engines.native.types import Chosen, PrefillResult
+from tokenfleet.engines.native.types import Chosen, PrefillHead, PrefillResult
 from tokenfleet.protocol.request import max_token_chars
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class ModelRunner:
         self.dtype = select_dtype(engine.dtype, self.device)
         self.tokenizer, self.model = load_model(engine.model, self.device, self.dtype)
         shape = ModelShape.of(self.model)
+        self.hidden_size = int(self.model.config.get_text_config().hidden_size)
         self.finish_logits = finish_logits(self.model.config)  # the head's own softcap or scale
         self.vocab_size = shape.vocab_size
         self.grammar_masks = GrammarMasks(self.vocab_size)
@@ -154,40 +155,36 @@ class ModelRunner:
         token_lists: Sequence[Sequence[int]],
         cached: Sequence[int] | None = None,
         slots: Sequence[int] | None = None,
+        head: PrefillHead | None = None,
     ) -> PrefillResult:
         """Run sequences (``tables``: each one's blocks, enough for every token) whose first
         ``cached[b]`` tokens the pool holds already (a cached prefix; default none) and whose
         other tokens are ``token_lists[b]``: those are packed without padding into forwards of at
         most :data:`PREFILL_CHUNK_TOKENS`, their K/V written into the pool, attending to the cached
         ones in place; ``slots``: each row's adapter slot (-1: the base model). Returns next-token
-        logits ``[B, vocab]`` (float32) in the order given, with the tokens the forwards computed
-        (padding included). Rows go into forwards in order, so a row that reads blocks an earlier
-        row of the same call fills finds them written."""
+        logits ``[B, vocab]`` (float32; ``head``'s rows where given) in the order given, with the
+        tokens computed (padding included). Rows go into forwards in order."""
         cached = list(cached) if cached is not None else [0] * len(token_lists)
         slots = list(slots) if slots is not None else [-1] * len(token_lists)
         chunks = prefill_forwards([len(t) for t in token_lists], PREFILL_CHUNK_TOKENS)
-        parts = [
-            self._prefill_packed(
-                [tables[i] for i in rows],
-                [token_lists[i] for i in rows],
-                [cached[i] for i in rows],
-                [slots[i] for i in rows],
-            )
-            for rows in chunks
-        ]
+        parts = [self._prefill_packed(rows, tables, token_lists, cached, slots, head) for rows in chunks]
         logits = torch.cat([p[0] for p in parts])
         return PrefillResult(logits, computed_tokens=sum(p[1] for p in parts), forwards=len(chunks))
 
     def _prefill_packed(
         self,
-        tables: Sequence[list[int]],
-        token_lists: Sequence[Sequence[int]],
-        cached: list[int],
-        slots: list[int],
+        prompts: list[int],
+        all_tables: Sequence[list[int]],
+        all_tokens: Sequence[Sequence[int]],
+        all_cached: list[int],
+        all_slots: list[int],
+        head: PrefillHead | None,
     ) -> tuple[torch.Tensor, int]:
-        """One forward over the prompts' uncached tokens laid end to end (``[1, N]``); attention
-        unpacks them to one row per prompt, each attending causally to its own tokens, cached
-        ones included. Returns the logits and the tokens computed."""
+        """One forward over the uncached tokens of the prefill's ``prompts`` laid end to end
+        (``[1, N]``); attention unpacks them to one row per prompt, each attending causally to its
+        own tokens, cached ones included. Returns the logits (or head's rows) and the tokens computed."""
+        tables, token_lists = [all_tables[i] for i in prompts], [all_tokens[i] for i in prompts]
+        cached, slots = [all_cached[i] for i in prompts], [all_slots[i] for i in prompts]
         real = sum(len(t) for t in token_lists)
         # padding, if any, is one more prompt of pad tokens whose K/V go to the scratch block
         pad = prefill_padded_size(real) - real if self.pad_prefill else 0
@@ -208,7 +205,10 @@ class ModelRunner:
             else None
         )
         hidden = self.forward(ids, positions, meta, compiled and context is None, adapters)
-        return self.logits(hidden[0, last[: len(token_lists)]]), real + pad
+        last = last[: len(token_lists)]
+        if head is None:
+            return self.logits(hidden[0, last]), real + pad
+        return head(hidden[0], last, [len(t) for t in token_lists], prompts), real + pad
 
     @torch.inference_mode()
     def decode(

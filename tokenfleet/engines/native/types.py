@@ -3,6 +3,7 @@ runner: kept apart from both, so that neither imports the other for its types.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -12,10 +13,14 @@ from tokenfleet.core.sequence import SeqState
 from tokenfleet.engines.native.lora.pool import LoraPool
 from tokenfleet.protocol import TokenLogprob
 
+# What a prefill returns per prompt, from one forward's final hidden states [tokens, hidden], each
+# prompt's last row in them, its length and its place in the prefill (default: next-token logits)
+PrefillHead = Callable[[Any, Any, list[int], list[int]], Any]
+
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """A prefill's next-token logits ``[B, vocab]`` and what it computed: tokens (padding
+    """A prefill's next-token logits ``[B, vocab]`` (or its head's rows) and what it computed: tokens (padding
     included) in how many forwards."""
 
     logits: Any
@@ -40,6 +45,7 @@ class Runner(Protocol):
     num_blocks: int
     bytes_per_block: int
     lora: LoraPool | None  # the adapters it holds (None: it serves none)
+    hidden_size: int
 
     def facts(self) -> ModelFacts: ...
 
@@ -47,8 +53,9 @@ class Runner(Protocol):
         self,
         tables: list[list[int]],
         token_lists: list[list[int]],
-        cached: list[int],
+        cached: list[int] | None,
         slots: list[int] | None,
+        head: PrefillHead | None = None,
     ) -> PrefillResult: ...
 
     def decode(
