@@ -91,3 +91,12 @@ def test_length_splits_compute_the_fewest_tokens():
     lengths = [60, 64, 100, 128]
     assert len(split_by_length(lengths, power=2, per_pass=1000)) > len(split_by_length(lengths))
     assert FORWARD_COST_TOKENS > 0
+
+
+def test_generation_flags_on_an_embedding_model_are_refused_not_ignored(minilm):
+    from tokenfleet.config import EngineConfig, WorkerConfig
+    from tokenfleet.engines import build_core
+
+    config = WorkerConfig(EngineConfig(model=minilm, compile=True, f32_linear="onednn"))
+    with pytest.raises(ValueError, match="--compile, --f32-linear: not used by an embedding model"):
+        build_core(config)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 
-from tokenfleet.config import WorkerConfig
+from tokenfleet.config import EngineConfig, WorkerConfig
 from tokenfleet.config.cpus import cpu_share
 from tokenfleet.core.interface import EngineCore
 
@@ -71,6 +71,13 @@ def build_core(config: WorkerConfig) -> EngineCore:
     return NativeCore(runner, config.batching)
 
 
+# generation settings an embedding model's worker does not use
+EMBED_UNUSED = (
+    "compile", "bf16_linear", "f32_linear", "onednn_linear", "paged_kernel", "lora", "max_loras",
+    "cuda_graphs",
+)  # fmt: skip
+
+
 def _embedding_core(config: WorkerConfig, backend: str) -> EngineCore:
     """The core of a sentence-transformers model's worker: it embeds, and generates nothing."""
     import torch
@@ -80,6 +87,11 @@ def _embedding_core(config: WorkerConfig, backend: str) -> EngineCore:
     from tokenfleet.engines.native.device import select_device, select_dtype
 
     engine = config.engine
+    defaults = EngineConfig()
+    unused = [name for name in EMBED_UNUSED if getattr(engine, name) != getattr(defaults, name)]
+    if unused:  # a flag that would do nothing is refused, not ignored
+        flags = ", ".join("--" + name.replace("_", "-") for name in unused)
+        raise ValueError(f"{flags}: not used by an embedding model's worker (it runs no decode, no adapters)")
     device = select_device(engine.device)
     if backend == "vllm":
         from tokenfleet.engines.vllm.embed import VllmEmbedder
