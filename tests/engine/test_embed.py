@@ -100,3 +100,18 @@ def test_generation_flags_on_an_embedding_model_are_refused_not_ignored(minilm):
     config = WorkerConfig(EngineConfig(model=minilm, compile=True, f32_linear="onednn"))
     with pytest.raises(ValueError, match="--compile, --f32-linear: not used by an embedding model"):
         build_core(config)
+
+
+def test_onednn_epilogues_equal_the_operations_after_the_gemm():
+    """The packed encoder's GELU and residual adds run in oneDNN's GEMM epilogue: bit for bit the
+    values of the separate operations (float32)."""
+    import torch.nn.functional as F
+
+    from tokenfleet.engines.native.linear.onednn import PackedLinear
+
+    torch.manual_seed(0)
+    linear = PackedLinear(torch.nn.Linear(384, 1536), rows_hint=4096)
+    x, residual = torch.randn(300, 384), torch.randn(300, 1536)
+    with torch.inference_mode():
+        assert torch.equal(linear.gelu(x), F.gelu(linear(x)))
+        assert torch.equal(linear.plus(x, residual), linear(x) + residual)

@@ -38,6 +38,22 @@ def _onednn(linear: torch.nn.Linear) -> Any:
     return PackedLinear(linear, rows_hint=PACKED_ROWS_HINT)
 
 
+class _Eager:
+    """A linear off oneDNN (a GPU, bf16) with :class:`PackedLinear`'s fused calls, unfused."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        self.linear = linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+    def gelu(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.linear(x))
+
+    def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + other
+
+
 def supports(model: Any) -> bool:
     """Whether ``model`` is a BERT encoder this path computes exactly as Hugging Face does."""
     config = model.config
@@ -56,7 +72,7 @@ class PackedBert:
         self.heads = model.config.num_attention_heads
         self.layers = []
         on_cpu = model.embeddings.word_embeddings.weight.device.type == "cpu"
-        fast = _onednn if on_cpu and model.dtype == torch.float32 else (lambda linear: linear)
+        fast = _onednn if on_cpu and model.dtype == torch.float32 else _Eager
         for layer in model.encoder.layer:
             attention = layer.attention.self
             parts = (attention.query, attention.key, attention.value)
@@ -91,8 +107,8 @@ class PackedBert:
         for layer in self.layers:
             qkv = layer.qkv(x)
             context = torch.cat([self._attend(qkv, plan) for plan in plans])
-            h = layer.attention_norm(layer.attention_out(context) + x)
-            x = layer.out_norm(layer.out(F.gelu(layer.intermediate(h))) + h)
+            h = layer.attention_norm(layer.attention_out.plus(context, x))
+            x = layer.out_norm(layer.out.plus(layer.intermediate.gelu(h), h))
         return x
 
     def _attend(self, qkv: torch.Tensor, plan: _Plan) -> torch.Tensor:

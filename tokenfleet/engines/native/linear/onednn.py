@@ -35,3 +35,18 @@ class PackedLinear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         out = torch.ops.mkldnn._linear_pointwise(x.float(), self.packed_weight, self.bias, "none", [], "")
         return out.to(self.dtype)
+
+    # Epilogues oneDNN computes in the GEMM's own pass over its output (float32 weights): the same
+    # values as the separate operation after it (tests/engine/test_embed.py), one pass fewer
+
+    def gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """``F.gelu(self(x))``, exact (erf) GELU."""
+        if self.dtype != torch.float32:
+            return nn.functional.gelu(self(x))
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "gelu", [], "none")
+
+    def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """``self(x) + other`` (a residual)."""
+        if self.dtype != torch.float32:
+            return self(x) + other
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed_weight, self.bias, "add")
