@@ -76,3 +76,35 @@ def test_a_generation_worker_embeds_with_its_own_model(run_worker, redis_url, pr
         cached = allocator.num_cached_blocks
         client.embed(TEXTS)
         assert allocator.num_cached_blocks == cached and allocator.num_used_blocks == 0
+
+
+def test_a_flood_of_embeddings_takes_turns_with_generation(runner, reference):
+    """Embedding batches and generation steps alternate while generation has work: a generation
+    request that arrives behind 40 due embedding requests is prefilled by the second step, and
+    decodes every other step until the embeddings are done."""
+    import time
+
+    from tokenfleet.core.sequence import SeqState
+    from tokenfleet.protocol import Request
+    from tokenfleet.protocol.embed import EmbedSpec
+
+    batching = DynamicBatchingConfig(max_wait_ms=0, max_batch_size=8, max_seq_len=256, buckets=(16, 64))
+    core = NativeCore(runner, batching)
+    for i in range(40):
+        request = Request(id=f"e{i}", prompt="word", embed=EmbedSpec())
+        assert (
+            core.add(SeqState(f"e{i}", request, reference.ids("word"), None, frozenset(), time.time()), 0.0)
+            is None
+        )
+    generation = Request(id="g", prompt="Hello", max_new_tokens=4, ignore_eos=True)
+    seq = SeqState(
+        "g", generation, reference.ids("Hello"), runner.tokenizer, runner.eos_token_ids, time.time()
+    )
+    assert core.add(seq, 0.0) is None
+    kinds = []
+    while core.has_work:
+        output = core.step()
+        kinds.append("embed" if output.embedded else "generate")
+    assert kinds[:2] == ["embed", "generate"], kinds  # the prefill came second, not after all 5 batches
+    assert kinds[:9] == ["embed", "generate"] * 4 + ["embed"], kinds
+    assert seq.generated == reference.greedy(reference.ids("Hello"), 4, ignore_eos=True)

@@ -120,7 +120,7 @@ class NativeCore(CoreFront):
     def step(self, flush: bool = False) -> StepOutput:
         """Run one forward pass if any is due; returns what it produced. ``flush`` starts waiting
         requests without waiting for their batch to be due (shutdown)."""
-        if self.embeds.is_due(decoding=bool(self.scheduler.running), flush=flush):
+        if self.embeds.is_due(generating=self.scheduler.has_work, flush=flush):
             return self.embeds.step(self.scheduler.allocator, flush)
         self.embeds.generation_ran()
         scheduled = self.scheduler.schedule(flush)

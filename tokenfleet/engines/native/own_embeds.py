@@ -3,8 +3,9 @@ its last norm), pooled over the prompt's tokens (``mean``, the default) or taken
 (``last``), normalised unless the request says otherwise.
 
 They queue under the worker's batching rule in a queue of their own and run as one packed forward
-(the prefill's, with its kernels and linear routes) between generation steps: while sequences
-decode, never two embedding steps in a row, so a decode waits at most one embedding batch. Their
+(the prefill's, with its kernels and linear routes) between generation steps: while generation
+has work (sequences decoding, a batch due), never two embedding steps in a row, so a decode or a
+prefill waits at most one embedding batch. Their
 K/V go to blocks taken for that step and freed after it, unnamed: no prefix-cache entry is made
 or read (a hit would skip the tokens the mean needs)."""
 
@@ -35,6 +36,7 @@ class OwnEmbeds:
         self.runner = runner
         # a step packs its prompts end to end whatever their lengths: mixing buckets pads nothing
         self.batcher = Batcher(replace(batching, mix_buckets=True, padding=None), clock)
+        self.max_batch_size = batching.max_batch_size
         self.running: list[SeqState] = []  # the batch of the step in progress (a failed one aborts it)
         self.dimension = runner.hidden_size
         self._ran_last = False
@@ -60,17 +62,17 @@ class OwnEmbeds:
             return Refusal(ErrorCode.PROMPT_TOO_LONG, message)
         return ids[:longest]
 
-    def is_due(self, decoding: bool, flush: bool = False) -> bool:
+    def is_due(self, generating: bool, flush: bool = False) -> bool:
         """Whether the next step embeds: a batch is due (or waits, at a flush), and no embedding
-        step ran last while sequences decode."""
-        if decoding and self._ran_last:
+        step ran last while generation has work (``generating``)."""
+        if generating and self._ran_last:
             return False
         return self.batcher.is_due() or (flush and len(self.batcher) > 0)
 
     def step(self, allocator: BlockAllocator, flush: bool = False) -> StepOutput:
         """Embed the batch that is due, as far as the KV pool holds it (the rest waits)."""
         self._ran_last = True
-        batch = self.batcher.next_batch() or (self.batcher.take(len(self.batcher)) if flush else None)
+        batch = self.batcher.next_batch() or (self.batcher.take(self.max_batch_size) if flush else None)
         if batch is None:
             return StepOutput()
         placed: list[SeqState] = []
