@@ -108,3 +108,49 @@ def test_a_flood_of_embeddings_takes_turns_with_generation(runner, reference):
     assert kinds[:2] == ["embed", "generate"], kinds  # the prefill came second, not after all 5 batches
     assert kinds[:9] == ["embed", "generate"] * 4 + ["embed"], kinds
     assert seq.generated == reference.greedy(reference.ids("Hello"), 4, ignore_eos=True)
+
+
+def test_a_full_pool_or_a_failed_pass_costs_the_embeddings_alone(runner, reference):
+    """With no free KV block an embedding batch waits (no step fails); a pass that raises fails
+    its embedding requests and nothing else (the generating sequence goes on)."""
+    import time
+
+    from tokenfleet.core.sequence import SeqState
+    from tokenfleet.protocol import Request
+    from tokenfleet.protocol.embed import EmbedSpec
+
+    batching = DynamicBatchingConfig(max_wait_ms=0, max_batch_size=8, max_seq_len=256, buckets=(16, 64))
+    core = NativeCore(runner, batching)
+    allocator = core.scheduler.allocator
+
+    def embedding(key: str) -> SeqState:
+        request = Request(id=key, prompt="word", embed=EmbedSpec())
+        return SeqState(key, request, reference.ids("word"), None, frozenset(), time.time())
+
+    hog = allocator.num_free_blocks * allocator.block_size
+    allocator.allocate("hog", [1] * hog)  # every block held
+    assert core.add(embedding("e0"), 0.0) is None
+    output = core.step()
+    assert not output.embedded and not output.failed and core.num_waiting == 1
+    allocator.free("hog")
+    assert [seq.key for seq, _ in core.step().embedded] == ["e0"]
+
+    generation = Request(id="g", prompt="Hello", max_new_tokens=6, ignore_eos=True)
+    seq = SeqState(
+        "g", generation, reference.ids("Hello"), runner.tokenizer, runner.eos_token_ids, time.time()
+    )
+    assert core.add(seq, 0.0) is None
+    core.step()  # its prefill
+
+    class Broken:
+        def prefill(self, *args, **kwargs):
+            raise RuntimeError("out of memory")
+
+    core.embeds.runner = Broken()  # a fault in the embedding pass only
+    assert core.add(embedding("e1"), 0.0) is None
+    output = core.step()
+    assert [(s.key, why) for s, why in output.failed] == [("e1", "the embedding pass failed: out of memory")]
+    while core.has_work:
+        core.step()
+    assert seq.generated == reference.greedy(reference.ids("Hello"), 6, ignore_eos=True)
+    assert allocator.num_used_blocks == 0

@@ -85,6 +85,8 @@ class OwnEmbeds:
                 placed.append(seq)
         if unplaced:
             self.batcher.requeue(unplaced)
+        if not placed:  # the pool is full: they wait for blocks (generation frees them as it ends)
+            return StepOutput()
         started = time.time()
         for seq in placed:
             seq.started, seq.batch_size = started, len(placed)
@@ -92,15 +94,18 @@ class OwnEmbeds:
         tables = [allocator.block_table(_key(seq)) for seq in placed]
         poolings = [(seq.request.embed or EmbedSpec()).pooling or "mean" for seq in placed]
         try:
-            result = self.runner.prefill(
-                tables, [seq.prompt_ids for seq in placed], None, None, head=pooling_head(poolings)
-            )
+            prompts = [seq.prompt_ids for seq in placed]
+            result = self.runner.prefill(tables, prompts, None, None, head=pooling_head(poolings))
+            vectors = result.logits.float().cpu()
+        except Exception as e:  # this batch fails alone: the sequences generating are not its
+            self.running = []
+            return StepOutput(failed=[(seq, f"the embedding pass failed: {e}") for seq in placed])
         finally:
             for seq in placed:
                 allocator.free(_key(seq))
         ended = time.time()
         out = []
-        for seq, pooled in zip(placed, result.logits.float().cpu(), strict=True):
+        for seq, pooled in zip(placed, vectors, strict=True):
             seq.first_token_at = ended
             out.append((seq, vector_bytes(pooled, seq.request.embed or EmbedSpec(), model_normalizes=True)))
         self.running = []  # only now: a failure above leaves them to be aborted and answered

@@ -22,6 +22,9 @@ from tokenfleet.engines.embed.model import EmbedModel
 log = logging.getLogger(__name__)
 
 BATCH_TOKENS = 8192
+# sentence-transformers' poolings vLLM's pooler computes the same way (it maps the others by their
+# names' prefixes: mean_sqrt_len_tokens to mean, max_tokens to the architecture's default)
+VLLM_POOLINGS = ("cls_token", "mean_tokens", "lasttoken")
 
 
 class VllmEmbedder(EmbedModel):
@@ -34,6 +37,11 @@ class VllmEmbedder(EmbedModel):
         self.engine = engine
         model_config = engine.model_config
         super().__init__(directory, int(model_config.max_model_len))
+        if self.pipeline.pooling not in VLLM_POOLINGS:  # vLLM would pool another way, silently
+            raise ValueError(
+                f"{directory}: pooling {self.pipeline.pooling} is not one vLLM computes as "
+                "sentence-transformers does; use --engine native"
+            )
         self.vocab_size = min(self.vocab_size, int(model_config.get_vocab_size()))
         self.dtype = str(model_config.dtype).removeprefix("torch.")
         self._ids = itertools.count()
@@ -55,14 +63,16 @@ class VllmEmbedder(EmbedModel):
         from vllm import PoolingParams
 
         params = PoolingParams(task="embed", use_activation=False)  # normalised on our side
-        order = {}
-        for i, ids in enumerate(inputs):
-            request_id = f"embed-{next(self._ids)}"
-            self.engine.add_request(request_id, {"prompt_token_ids": list(ids)}, params)
-            order[request_id] = i
+        order: dict[str, int] = {}
         out = torch.empty(len(inputs), self.pipeline.dimension)
         try:
-            while len(order) > 0:
+            for i, ids in enumerate(inputs):
+                request_id = f"embed-{next(self._ids)}"
+                self.engine.add_request(request_id, {"prompt_token_ids": list(ids)}, params)
+                order[request_id] = i
+            while order:
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"vLLM dropped {len(order)} embedding requests without output")
                 for result in self.engine.step():
                     if result.finished and result.request_id in order:
                         out[order.pop(result.request_id)] = result.outputs.data.float().cpu()
