@@ -144,3 +144,26 @@ def test_malformed_entries_fail_alone(embed_worker, redis_url, prefix, minilm, e
         dead = r.xrange(keys.dead_letter)
         assert len(dead) == 1 and b"larger than" in dead[0][1][b"reason"]
         running.assert_healthy()
+
+
+def test_an_embed_call_that_fails_cancels_the_inputs_still_queued(redis_url, prefix, r):
+    """No vectors come back from a call that raises (here a timeout, no worker serving): its
+    requests are cancelled, not left queued for a worker to embed later."""
+    from tokenfleet.errors import ResultTimeout
+
+    client = Client(redis_url, prefix=prefix)
+    with pytest.raises(ResultTimeout):
+        client.embed(["first", "second"], timeout=0.5)
+    ids = [fields[b"id"].decode() for _, fields in r.xrange(Keys(prefix).cancels)]
+    assert len(ids) == 2 and all(r.exists(Keys(prefix).cancel(i)) for i in ids)
+
+    async def asynchronously() -> list[str]:
+        aio = AsyncClient(redis_url, prefix=prefix)
+        try:
+            with pytest.raises(ResultTimeout):
+                await aio.embed(["third"], timeout=0.5)
+        finally:
+            await aio.close()
+        return [fields[b"id"].decode() for _, fields in r.xrange(Keys(prefix).cancels)]
+
+    assert len(asyncio.run(asynchronously())) == 3

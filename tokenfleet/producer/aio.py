@@ -113,9 +113,17 @@ class AsyncClient(ClientBase):
     ) -> list[array[float]]:
         """Each input's vector, in order (see :meth:`Client.embed`)."""
         spec = embed_spec(dimensions, normalize, truncate, pooling)
-        handles = [await self.submit(**call, embed=spec, **params) for call in embed_inputs(inputs)]
-        results = await asyncio.gather(*(handle.result(timeout) for handle in handles))
-        return [vector_or_raise(result) for result in results]
+        handles: list[AsyncHandle] = []
+        try:
+            for call in embed_inputs(inputs):
+                handles.append(await self.submit(**call, embed=spec, **params))
+            results = await asyncio.gather(*(handle.result(timeout) for handle in handles))
+            return [vector_or_raise(result) for result in results]
+        except BaseException:  # no vectors are returned: the inputs still queued are not embedded
+            for handle in handles:
+                with contextlib.suppress(Exception):
+                    await handle.cancel()
+            raise
 
     async def chat(
         self, messages: list[dict[str, str]], *, request_id: str | None = None, **params: Any

@@ -140,8 +140,16 @@ class Client(ClientBase):
         ``priority``, ``deadline_ms``, ``reply_ttl_s``. Raises
         :class:`~tokenfleet.errors.RequestFailed` for an input that fails."""
         spec = embed_spec(dimensions, normalize, truncate, pooling)
-        handles = [self.submit(**call, embed=spec, **params) for call in embed_inputs(inputs)]
-        return [vector_or_raise(handle.result(timeout)) for handle in handles]
+        handles: list[Handle] = []
+        try:
+            for call in embed_inputs(inputs):
+                handles.append(self.submit(**call, embed=spec, **params))
+            return [vector_or_raise(handle.result(timeout)) for handle in handles]
+        except BaseException:  # no vectors are returned: the inputs still queued are not embedded
+            for handle in handles:
+                with contextlib.suppress(Exception):
+                    handle.cancel()
+            raise
 
     def chat(self, messages: list[dict[str, str]], *, request_id: str | None = None, **params: Any) -> Handle:
         """Enqueue a chat: OpenAI-style ``messages`` (``[{"role": "user", "content": "..."}]``),
