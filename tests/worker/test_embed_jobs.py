@@ -41,7 +41,9 @@ def run_embed(redis_url, prefix, minilm, source, output) -> subprocess.Popen:
 
 
 def lines_of(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """The output's complete lines (read while the job writes it: its last line may be half written)."""
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.split("\n")[:-1]]
 
 
 @pytest.mark.timeout(300)
