@@ -43,6 +43,24 @@ def missing(what: str, reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
+def require_vllm() -> None:
+    """At a vLLM test module's import: vLLM imported, or the module skipped where it is not installed
+    (the README's test command); CI runs those modules in vLLM's own virtualenv with
+    ``TOKENFLEET_TEST_VLLM=1``, where a vLLM that cannot be imported fails them."""
+    import warnings
+
+    with warnings.catch_warnings():  # vLLM's imports warn about torch and transformers deprecations
+        warnings.simplefilter("ignore")
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            if os.environ.get("TOKENFLEET_TEST_VLLM"):
+                raise ImportError(f"TOKENFLEET_TEST_VLLM is set, but vLLM cannot be imported: {e}") from e
+            pytest.skip(
+                f"vLLM is not installed here ({e}); .ci/run runs it in its own venv", allow_module_level=True
+            )
+
+
 @pytest.fixture(scope="session")
 def kernels() -> None:
     """The CPU kernels, built (or loaded) for this machine."""

@@ -11,11 +11,10 @@ import os
 import signal
 import subprocess
 import time
-import warnings
 
 import jsonschema
 import pytest
-from conftest import RunningWorker, worker_process
+from conftest import RunningWorker, require_vllm, worker_process
 
 from tokenfleet import protocol
 from tokenfleet.config import DynamicBatchingConfig, EngineConfig, KVCacheConfig, WorkerConfig
@@ -24,16 +23,7 @@ from tokenfleet.errors import RequestFailed
 from tokenfleet.producer import Client
 from tokenfleet.protocol import GROUP, ErrorCode, Keys
 
-with warnings.catch_warnings():  # vLLM's imports warn about torch and transformers deprecations
-    warnings.simplefilter("ignore")
-    try:
-        import vllm  # noqa: F401
-    except ImportError as e:
-        if os.environ.get("TOKENFLEET_TEST_VLLM"):
-            raise ImportError(f"TOKENFLEET_TEST_VLLM is set, but vLLM cannot be imported: {e}") from e
-        pytest.skip(
-            f"vLLM is not installed here ({e}); .ci/run runs this in its own venv", allow_module_level=True
-        )
+require_vllm()
 
 pytestmark = [
     pytest.mark.integration,
@@ -63,7 +53,6 @@ def batching(mode: str = "continuous", **kw) -> DynamicBatchingConfig:
 @pytest.fixture(scope="module")
 def vllm_engine(tiny_model):
     """One vLLM engine for the module (it takes ~30 s to start); each test wraps it in a core."""
-    import os
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLMEngine

@@ -7,26 +7,18 @@ native engine. Runs in the vLLM virtualenv (see test_vllm_backend.py)."""
 from __future__ import annotations
 
 import os
-import warnings
 
 import numpy as np
 import pytest
 import torch
-from conftest import RunningWorker, worker_process
+from conftest import RunningWorker, require_vllm, worker_process
 
 from tokenfleet.config import DynamicBatchingConfig
 from tokenfleet.errors import RequestFailed
 from tokenfleet.producer import Client
 from tokenfleet.protocol import ErrorCode
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    try:
-        import vllm  # noqa: F401
-    except ImportError as e:
-        if os.environ.get("TOKENFLEET_TEST_VLLM"):
-            raise ImportError(f"TOKENFLEET_TEST_VLLM is set, but vLLM cannot be imported: {e}") from e
-        pytest.skip(f"vLLM is not installed here ({e})", allow_module_level=True)
+require_vllm()
 
 pytestmark = [
     pytest.mark.integration,

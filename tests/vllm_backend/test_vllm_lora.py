@@ -5,11 +5,11 @@ request with ``adapter_unavailable``, before vLLM sees it (vLLM would fail the w
 
 import os
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import require_vllm
 from lora_adapters import ALL, make_adapter
 from safetensors.torch import load_file, save_file
 
@@ -21,14 +21,7 @@ from tokenfleet.producer import Client
 from tokenfleet.protocol import ErrorCode, Keys
 from tokenfleet.protocol.adapters import AdapterRecord
 
-with warnings.catch_warnings():  # vLLM's imports warn about torch and transformers deprecations
-    warnings.simplefilter("ignore")
-    try:
-        import vllm  # noqa: F401
-    except ImportError as e:
-        if os.environ.get("TOKENFLEET_TEST_VLLM"):
-            raise ImportError(f"TOKENFLEET_TEST_VLLM is set, but vLLM cannot be imported: {e}") from e
-        pytest.skip(f"vLLM is not installed here ({e})", allow_module_level=True)
+require_vllm()
 
 pytestmark = [
     pytest.mark.integration,
