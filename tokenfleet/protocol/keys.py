@@ -102,6 +102,16 @@ class Keys:
         """Stream of entries that could not be decoded or failed too many times, with the reason."""
         return f"{self.tag}:dead"
 
+    def series(self, slot: int) -> str:
+        """Hash of what the fleet did in one 10-second slot (tokens, requests, queue time, TTFT),
+        summed by every worker and kept an hour: the dashboard's charts."""
+        return f"{self.prefix}:series:{slot}"
+
+    @property
+    def audit(self) -> str:
+        """Stream of the actions taken on the fleet from the dashboard (who, what, when)."""
+        return f"{self.tag}:audit"
+
     @property
     def adapters(self) -> str:
         """Hash of adapter name -> JSON record (``path`` on the workers' disks, ``base`` model): the

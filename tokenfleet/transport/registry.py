@@ -12,6 +12,7 @@ from redis.typing import EncodableT, FieldT
 
 from tokenfleet import protocol
 from tokenfleet.protocol import AUTO_BUCKET, Keys, parse_heartbeat
+from tokenfleet.transport.series import add_sample
 
 
 def heartbeats(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
@@ -54,9 +55,14 @@ class Registry:
         if limits:
             self.client.hset(self.keys.max_queue, mapping=limits)
 
-    def beat(self, state: dict[str, Any]) -> None:
-        """Publish this worker's state; ``seen`` is set here."""
-        self.client.hset(self.keys.workers, self.name, protocol.pack({**state, "seen": time.time()}))
+    def beat(self, state: dict[str, Any], sample: dict[str, float] | None = None) -> None:
+        """Publish this worker's state (``seen`` is set here) and add ``sample``, what it did since
+        the last beat, to the fleet's time series; one round trip."""
+        now = time.time()
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(self.keys.workers, self.name, protocol.pack({**state, "seen": now}))
+        add_sample(pipe, self.keys, sample or {}, now)
+        pipe.execute()
 
     def leave(self) -> None:
         self.client.hdel(self.keys.workers, self.name)

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from tokenfleet.core.interface import BatchEvent
 from tokenfleet.protocol import LANES
+from tokenfleet.transport.series import Tally
 from tokenfleet.worker.vllm_metrics import VllmMetrics
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -25,6 +26,7 @@ class WorkerMetrics:
         self.registry = r = CollectorRegistry()
         self.vllm = VllmMetrics(r, model_name, engine=worker)
         self._worker = worker
+        self.tally = Tally()  # since the last heartbeat, for the fleet's time series
         mine = {"worker": worker}
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
@@ -105,6 +107,7 @@ class WorkerMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.queue_time.labels(worker=self._worker, lane=lane).observe(queue_s)
         self.ttft.labels(worker=self._worker, lane=lane).observe(ttft_s)
+        self.tally.start(queue_s, ttft_s)
         self.vllm.started(prompt_tokens, queue_s, ttft_s)
 
     def token_gap(self, seconds: float) -> None:
@@ -112,18 +115,26 @@ class WorkerMetrics:
         self.vllm.inter_token.observe(seconds)
 
     def generated(self, tokens: int) -> None:
+        self.tally.tokens += tokens
         self.generation_tokens.inc(tokens)
         self.vllm.generation_tokens.inc(tokens)
 
     def finished(self, reason: str, lane: str = LANES[0], e2e_s: float | None = None) -> None:
+        self.tally.finished += 1
         self._finished.labels(reason=reason, worker=self._worker).inc()
         if e2e_s is not None:
             self.e2e.labels(worker=self._worker, lane=lane).observe(e2e_s)
         self.vllm.finished(reason, e2e_s)
 
     def failed(self, code: str) -> None:
+        self.tally.failed += 1
         self._failed.labels(code=code, worker=self._worker).inc()
         self.vllm.finished("error", None)
+
+    def take_tally(self) -> dict[str, float]:
+        """What was tallied since the last call, as the time series' fields; a new tally starts."""
+        sample, self.tally = self.tally.fields(), Tally()
+        return sample
 
     def preempted(self, count: int) -> None:
         self.preemptions.inc(count)

@@ -152,7 +152,8 @@ class Upkeep:
                 "prefix_cache_hits": cap.prefix_cache_hits,
                 "shards_owned": max(0, self._shards_owned),  # affinity shards per lane, all buckets
                 "adapters": list(cap.adapters),  # LoRA adapters resident
-            }
+            },
+            self.metrics.take_tally(),
         )
         return True
 

@@ -48,6 +48,10 @@ PRODUCER_COMMANDS = (
 )
 MONITOR_COMMANDS = _CONNECT + [
     "+hgetall",
+    "+hget",  # Batch API records
+    "+get",  # which entry owns a request id
+    "+xpending",  # which worker holds a request
+    "+xread",  # a reply followed live
     "+smembers",
     "+exists",
     "+xinfo|groups",
@@ -73,6 +77,8 @@ WORKER_COMMANDS = (
         "+xlen",
         "+expire",
         "+hset",
+        "+hincrby",  # the fleet's time series ({P}:series:<slot>)
+        "+hincrbyfloat",
         "+hdel",
         "+sadd",
         "+srem",
@@ -127,6 +133,7 @@ def worker_key_patterns(prefix: str) -> list[str]:
         f"~{keys.workers}",
         f"~{keys.max_queue}",
         f"~{keys.adapters}",  # its --lora adapters, written at start
+        f"~{prefix}:series:*",  # what it did, summed per 10 s for the dashboard's charts
         f"%R~{prefix}:cancel:*",
         f"%R~{keys.cancels}",
     ]
