@@ -67,6 +67,9 @@ def test_batch_as_rq_job_with_json_serializer(run_worker, redis_url, prefix, mod
     from rq.job import Job
     from rq.serializers import JSONSerializer
 
+    from tokenfleet.gateway.dashboard import jobs as dashboard_jobs
+    from tokenfleet.protocol import Keys
+
     prompts, results = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
     write_prompts(prompts, 20)
     env = {"REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix}
@@ -100,9 +103,36 @@ def test_batch_as_rq_job_with_json_serializer(run_worker, redis_url, prefix, mod
             job = Job.fetch(job_id, connection=r, serializer=JSONSerializer)
             assert job.get_status() == "finished", logs
             assert job.return_value() == {"total": 20, "skipped": 0, "done": 20, "failed": 0}
+            assert (job.meta["total"], job.meta["written"]) == (20, 20)  # its progress, as it ran
+            [row] = dashboard_jobs.listing(r, Keys(prefix))  # as the dashboard shows it
+            assert (row["id"], row["status"], row["completed"], row["total"]) == (job_id, "finished", 20, 20)
         finally:
             Job.fetch(job_id, connection=r, serializer=JSONSerializer).delete()
     assert len(results.read_text().splitlines()) == 20
+
+
+def test_a_bulk_job_asked_to_stop_submits_nothing_more_and_ends(redis_url, prefix, r, tmp_path):
+    """The dashboard's cancel of a running bulk job (its key, looked up each second by the job):
+    asked before the job's first submit, the job submits nothing and ends with what it wrote."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from tokenfleet.gateway.dashboard import jobs as dashboard_jobs
+    from tokenfleet.producer.rq_jobs import enqueue_batch
+    from tokenfleet.protocol import Keys
+
+    prompts, results = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
+    write_prompts(prompts, 20)
+    job_id = enqueue_batch(redis_url, prefix, None, str(prompts), str(results), {})
+    r.set(Keys(prefix).bulk_cancel(job_id), 1)
+    worker = tf(["rq-worker", "--burst"], {"REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix}, text=True)
+    assert worker.wait(120) == 0
+    job = Job.fetch(job_id, connection=r, serializer=JSONSerializer)
+    assert job.return_value() == {"total": 20, "skipped": 0, "done": 0, "failed": 0}
+    assert not results.exists() or results.read_text() == ""
+    assert not r.exists(Keys(prefix).request_stream("auto"))  # nothing was submitted
+    [row] = dashboard_jobs.listing(r, Keys(prefix))
+    assert (row["status"], row["cancellable"]) == ("finished", False)
 
 
 def test_batch_takes_openai_batch_lines_and_writes_openais_output(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from tokenfleet.cli import demo, embed, fleet, lora, models, requests, serve, worker
+from tokenfleet.cli import dashboard, demo, embed, fleet, lora, models, requests, serve, worker
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -32,6 +32,7 @@ for command in (
     requests.result,
     requests.cancel,
     fleet.status,
+    dashboard.dashboard,
     fleet.batch,
     embed.embed,
     fleet.rq_worker,

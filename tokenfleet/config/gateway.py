@@ -32,6 +32,17 @@ class GatewayConfig:
         "environment (TOKENFLEET_ADMIN_KEYS).",
         kind="str",
     )
+    viewer_keys: str | None = setting(
+        None,
+        "Comma-separated read-only keys: they may look at /dashboard and nothing else (admin keys "
+        "also act there). Prefer the environment (TOKENFLEET_VIEWER_KEYS).",
+        kind="str",
+    )
+    dashboard: bool = setting(
+        True,
+        "Serve the dashboard at /dashboard: viewing takes a viewer's or an admin's key (none where "
+        "the gateway asks no key at all), actions an admin's.",
+    )
     embed_prefix: str | None = setting(
         None,
         "Key prefix of the fleet that serves /v1/embeddings (an embedding model's workers; default: "
@@ -82,8 +93,13 @@ class GatewayConfig:
 
     @property
     def admins(self) -> frozenset[str]:
-        """The keys that may also change the fleet (its adapters)."""
+        """The keys that may also change the fleet (its adapters, the dashboard's actions)."""
         return _split(self.admin_keys)
+
+    @property
+    def viewers(self) -> frozenset[str]:
+        """The keys that may only look at the dashboard."""
+        return _split(self.viewer_keys)
 
 
 def _split(keys: str | None) -> frozenset[str]:

@@ -26,7 +26,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenfleet.config import GatewayConfig
-from tokenfleet.gateway import batches, completions, embeddings, errors, files, models
+from tokenfleet.gateway import batches, completions, dashboard, embeddings, errors, files, models
 from tokenfleet.gateway.errors import APIError
 from tokenfleet.gateway.limits import BodyLimit
 from tokenfleet.gateway.service import Service
@@ -37,12 +37,15 @@ from tokenfleet.transport.status import lane_queues
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics", "/fleet/queues")  # probes, scrapers and autoscalers need no key
+DASHBOARD = "/dashboard"  # asks its own keys: viewers' and admins' (gateway/dashboard/access.py)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.service = Service.start(config)
+        if config.dashboard:
+            app.state.console = dashboard.open_console(config.redis.url, _fleets(config), _access(config))
         stop = threading.Event()
         runner = _start_batch_jobs(config, stop) if config.batch_jobs else None
         try:
@@ -52,6 +55,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
             if runner is not None:
                 runner.join(timeout=10)
             await app.state.service.close()
+            if config.dashboard:
+                await dashboard.close_console(app.state.console)
 
     app = FastAPI(
         title="tokenfleet", summary="OpenAI-compatible API over a tokenfleet fleet", lifespan=lifespan
@@ -103,7 +108,20 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     for router in (completions.router, embeddings.router, files.router, batches.router, models.router):
         app.include_router(router)
+    if config.dashboard:
+        app.include_router(dashboard.router)
     return app
+
+
+def _fleets(config: GatewayConfig) -> list[str]:
+    """The dashboard's fleets: this gateway's, and the embedding fleet where it is another."""
+    return [config.redis.prefix, *([config.embed_prefix] if config.embed_prefix else [])]
+
+
+def _access(config: GatewayConfig) -> dashboard.Access:
+    """Admins act, viewers look; where the gateway asks no key at all, anyone may look."""
+    open_view = not config.keys and not config.viewers
+    return dashboard.Access(config.admins, config.viewers, open_view)
 
 
 class _Guard:
@@ -125,7 +143,9 @@ class _Guard:
                 self.metrics.observe(route, message["status"], time.perf_counter() - started)
             await send(message)
 
-        if self.keys and scope["path"] not in OPEN_PATHS and not self._authorized(Headers(scope=scope)):
+        path = scope["path"]
+        checked = path not in OPEN_PATHS and path != DASHBOARD and not path.startswith(DASHBOARD + "/")
+        if self.keys and checked and not self._authorized(Headers(scope=scope)):
             message = "missing or wrong API key (Authorization: Bearer KEY)"
             await APIError(401, message, "authentication_error", "invalid_api_key").response()(
                 scope, receive, counted

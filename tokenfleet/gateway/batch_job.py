@@ -10,7 +10,7 @@ from collections.abc import Collection
 from typing import Any
 
 from tokenfleet.errors import RequestFailed
-from tokenfleet.producer.bulk import BULK_LANE, DEFAULT_WINDOW, Job, run_windowed
+from tokenfleet.producer.bulk import BULK_LANE, Job, run_windowed
 from tokenfleet.producer.openai.batch import EmbeddingLine, body_of_line, output_line
 from tokenfleet.producer.openai.controls import decoder
 from tokenfleet.producer.openai.embeddings import EMBEDDINGS, EmbeddingBody
@@ -73,13 +73,9 @@ def _run(client: Any, embedding: Any, batch_id: str) -> dict[str, int]:
     stopping: list[bool] = []
 
     def stop() -> bool:
-        """A cancel asked for: stop submitting, and cancel what still runs (it ends at once)."""
+        """A cancel asked for (run_windowed then cancels what still runs)."""
         if not stopping and state.cancelled():
             stopping.append(True)
-            done = len(outputs) + len(errors)
-            for job in jobs[done : done + DEFAULT_WINDOW]:  # at most a window is in flight
-                for request_id, _ in job.requests:
-                    submitter.cancel(request_id)
         return bool(stopping)
 
     def collect(i: int, outcome: list[Result] | RequestFailed) -> None:
@@ -88,9 +84,8 @@ def _run(client: Any, embedding: Any, batch_id: str) -> dict[str, int]:
         line = output_line(i, str(job.custom_id), job.completion, outcome, decoder(client.tokenizer))
         (errors if isinstance(outcome, RequestFailed) else outputs).append(line)
         state.progress(_counts(len(jobs), len(outputs), len(errors)))
-        stop()  # noticed between results too, while the last window drains
 
-    run_windowed(submitter, jobs, collect, stop=stop)
+    run_windowed(submitter, jobs, collect, stop=stop, cancel_in_flight=True)
     state.update(status="finalizing", finalizing_at=_now())
     ended: dict[str, Any] = {"request_counts": _counts(len(jobs), len(outputs), len(errors))}
     if outputs:

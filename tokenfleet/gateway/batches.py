@@ -23,6 +23,7 @@ from tokenfleet.producer.rq_jobs import rq_queue
 router = APIRouter()
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 JOB = "tokenfleet.gateway.batch_job.run_openai_batch"
+JOB_ID_PREFIX = "tokenfleet-"  # a batch's RQ job id: this, then the batch's id
 
 
 class BatchBody(BaseModel):
@@ -138,7 +139,7 @@ def _enqueue(service: Service, batch_id: str) -> None:
             config.embed_prefix,
             config.embed_model,
         ),
-        job_id=f"tokenfleet-{batch_id}",
+        job_id=JOB_ID_PREFIX + batch_id,
         job_timeout=25 * 3600,
         result_ttl=7 * 24 * 3600,
     )

@@ -119,12 +119,25 @@ def run_windowed(
     timeout: float | None = 3600,
     start: int = 0,
     stop: Callable[[], bool] = lambda: False,
+    cancel_in_flight: bool = False,
 ) -> None:
     """Submit ``jobs[start:]`` (each request only if its reply stream does not exist yet) with at
     most ``window`` jobs in flight, and hand each job's results to ``on_result`` in input order.
-    ``stop()`` is asked before each submit (a cancelled batch stops submitting)."""
+    ``stop()`` is asked before each submit and after each result: once true (a cancelled batch),
+    nothing more is submitted (nor retried), and with ``cancel_in_flight`` what runs is cancelled
+    (it ends at once); without, it runs to its end."""
     pending: deque[int] = deque()
     refused: dict[int, RequestFailed] = {}  # lines that failed before running, by index
+    stopped = False
+
+    def stopping() -> bool:
+        nonlocal stopped
+        if not stopped and stop():
+            stopped = True
+            for i in pending if cancel_in_flight else ():
+                for rid, _ in jobs[i].requests:
+                    client.cancel(rid)
+        return stopped
 
     def drain_one() -> None:
         i = pending.popleft()
@@ -136,7 +149,7 @@ def run_windowed(
             try:
                 return on_result(i, [client.result(rid, timeout=timeout) for rid, _ in job.requests])
             except RequestFailed as e:
-                if e.code != ErrorCode.LOST or attempt > LOST_RETRIES:
+                if e.code != ErrorCode.LOST or attempt > LOST_RETRIES or stopped:
                     return on_result(i, e)
                 # Redis lost it (restart, failover): the line goes again under fresh ids (a
                 # worker may still write the lost attempt's events under the old ones)
@@ -148,7 +161,7 @@ def run_windowed(
 
     in_flight = 0  # requests, not lines: one embeddings line may hold 2048 of them
     for i in range(start, len(jobs)):
-        if stop():
+        if stopping():
             break
         failure = _submit(client, jobs[i])
         if failure is not None:
@@ -160,6 +173,7 @@ def run_windowed(
             drain_one()
     while pending:
         drain_one()
+        stopping()
 
 
 def _submit(client: Any, job: Job) -> RequestFailed | None:
@@ -230,10 +244,12 @@ def run_batch(
     progress: Callable[[int], object] | None = None,
     timeout: float | None = 3600,
     base64_vectors: bool = False,
+    stop: Callable[[], bool] = lambda: False,
 ) -> dict[str, int]:
     """Run every input line through ``client`` (a producer Client), writing results in input
     order; returns counts. ``progress(n)`` is called as results are written; embeddings are
-    written as JSON floats, or as base64 of their float32 bytes."""
+    written as JSON floats, or as base64 of their float32 bytes. ``stop()`` true: nothing more is
+    submitted; what runs still ends and is written, so a rerun resumes after it."""
     from tokenfleet.producer.openai.batch import output_line
     from tokenfleet.producer.openai.controls import decoder
 
@@ -256,7 +272,7 @@ def run_batch(
             if progress:
                 progress(1)
 
-        run_windowed(client, jobs, write, window, timeout, start)
+        run_windowed(client, jobs, write, window, timeout, start, stop)
     return counts
 
 

@@ -10,7 +10,7 @@ import redis
 from tokenfleet import protocol
 from tokenfleet.protocol import Keys
 
-SCAN_LIMIT = 10_000  # request stream entries looked through for an id (queued, not yet taken)
+SCAN_LIMIT = 10_000  # entries looked through per request stream for an id (queued, not yet taken)
 
 
 def request_exists(client: redis.Redis, keys: Keys, request_id: str) -> bool:
@@ -18,17 +18,34 @@ def request_exists(client: redis.Redis, keys: Keys, request_id: str) -> bool:
     a request stream (the newest :data:`SCAN_LIMIT` entries of each are looked through)."""
     if client.exists(keys.reply_stream(request_id), keys.owner(request_id)):
         return True
+    return find_queued(client, keys, request_id) is not None
+
+
+def find_queued(client: redis.Redis, keys: Keys, request_id: str) -> tuple[str, str] | None:
+    """The request stream and entry id where ``request_id`` waits, among the newest
+    :data:`SCAN_LIMIT` entries of every stream of the buckets served (shards, lanes and ``auto``
+    included); None where it is not found."""
     wanted = request_id.encode()
-    for stream in client.scan_iter(match=keys.request_stream("*"), count=100):
+    buckets = sorted(int(b) for b in client.smembers(keys.buckets))
+    for stream in (s for lane in keys.lane_streams(buckets) for s in lane):
         entries: Any = client.xrevrange(stream, count=SCAN_LIMIT)
-        for _, fields in entries:
-            if fields.get(b"id") == wanted:
-                return True
-            body = fields.get(protocol.BODY_FIELD)
-            if body is not None and wanted in body:
-                try:
-                    if protocol.unpack(body).get("id") == request_id:
-                        return True
-                except (ValueError, AttributeError):
-                    continue
-    return False
+        for entry_id, fields in entries:
+            if _names(fields, request_id, wanted):
+                return _text(stream), _text(entry_id)
+    return None
+
+
+def _names(fields: dict[bytes, bytes], request_id: str, wanted: bytes) -> bool:
+    if fields.get(b"id") == wanted:
+        return True
+    body = fields.get(protocol.BODY_FIELD)
+    if body is None or wanted not in body:
+        return False
+    try:
+        return bool(protocol.unpack(body).get("id") == request_id)
+    except (ValueError, AttributeError):
+        return False
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

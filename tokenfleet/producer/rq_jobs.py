@@ -4,6 +4,7 @@ out, serialized as JSON on both sides (RQ pickles by default: never here)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,50 @@ def run_batch_job(
     output_path: str,
     defaults: dict[str, Any],
 ) -> dict[str, int]:
-    """The RQ job: plain JSON arguments in, counts out."""
+    """The RQ job: plain JSON arguments in, counts out. Its progress goes to the RQ job's ``meta``
+    and a cancel is asked for with :meth:`~tokenfleet.protocol.Keys.bulk_cancel` (the dashboard
+    reads the one and sets the other)."""
+    from rq import get_current_job
+
     from tokenfleet.producer import Client
 
+    job = get_current_job()
     with Client(redis_url, model=model, prefix=prefix) as client:
-        return run_batch(client, input_path, output_path, defaults)
+        if job is None:  # called directly, not by an RQ worker
+            return run_batch(client, input_path, output_path, defaults)
+        watch = JobWatch(job, client.redis, client.keys.bulk_cancel(job.id))
+        watch.counts["total"] = len(read_inputs(input_path, defaults))
+        return run_batch(
+            client, input_path, output_path, defaults, progress=watch.progress, stop=watch.cancelled
+        )
+
+
+class JobWatch:
+    """A bulk job's progress written to its RQ job's ``meta`` and its cancel looked up, each at most
+    every :data:`EVERY_S` (the cancel is a key of its own: RQ rewrites ``meta`` whole)."""
+
+    EVERY_S = 1.0
+
+    def __init__(self, job: Any, redis: Any, cancel_key: str):
+        self.job, self.redis, self.cancel_key = job, redis, cancel_key
+        self.counts = {"total": 0, "written": 0}
+        self._saved = self._checked = float("-inf")
+        self._cancel = False
+
+    def progress(self, n: int) -> None:
+        self.counts["written"] += n
+        now = time.monotonic()
+        if now - self._saved >= self.EVERY_S or self.counts["written"] >= self.counts["total"]:
+            self._saved = now
+            self.job.meta.update(self.counts)
+            self.job.save_meta()
+
+    def cancelled(self) -> bool:
+        now = time.monotonic()
+        if not self._cancel and now - self._checked >= self.EVERY_S:
+            self._checked = now
+            self._cancel = bool(self.redis.exists(self.cancel_key))
+        return self._cancel
 
 
 def enqueue_batch(

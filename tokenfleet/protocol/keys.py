@@ -107,6 +107,10 @@ class Keys:
         summed by every worker and kept an hour: the dashboard's charts."""
         return f"{self.prefix}:series:{slot}"
 
+    def bulk_cancel(self, job_id: str) -> str:
+        """Exists (with a TTL) when bulk job ``job_id`` (``tokenfleet batch --enqueue``) is to stop."""
+        return f"{self.prefix}:bulk-cancel:{job_id}"
+
     @property
     def audit(self) -> str:
         """Stream of the actions taken on the fleet from the dashboard (who, what, when)."""

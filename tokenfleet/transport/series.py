@@ -2,7 +2,7 @@
 
 Each worker adds what it did since its last heartbeat (tokens, requests started and ended, the sum
 of their queue times and TTFTs, a TTFT histogram) to the hash of the current
-:data:`SLOT_S`-second slot, ``{P}:series:<slot>``, with HINCRBY: the fleet's workers sum into one
+:data:`SLOT_S`-second slot, ``P:series:<slot>``, with HINCRBY: the fleet's workers sum into one
 hash per slot, which expires after :data:`KEEP_S`. Memory stays bounded (at most
 ``KEEP_S / SLOT_S`` small hashes, whatever the fleet's size) and a reader fetches the hour in one
 round trip.

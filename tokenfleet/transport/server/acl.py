@@ -39,8 +39,7 @@ PRODUCER_COMMANDS = (
         "+set",  # cancel flags
         "+smembers",  # the bucket list
         "+exists",  # does a request or its reply exist (batch's resume, result and cancel)
-        "+xrevrange",  # a queued request, looked for by id
-        "+scan",  # the request streams, to look in
+        "+xrevrange",  # a queued request, looked for by id (in the served buckets' streams)
         "+hgetall",  # the workers' heartbeats: is anyone serving this bucket
         "+multi",
         "+exec",  # the empty reply stream and the request, enqueued together
@@ -52,6 +51,7 @@ MONITOR_COMMANDS = _CONNECT + [
     "+get",  # which entry owns a request id
     "+xpending",  # which worker holds a request
     "+xread",  # a reply followed live
+    "+ttl",  # how long a reply is kept
     "+smembers",
     "+exists",
     "+xinfo|groups",
