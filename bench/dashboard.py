@@ -13,7 +13,7 @@ timings from the navigation's start to the overview's data in and to the page dr
 fresh browser's first page, which also starts its renderer, apart).
 
 ``throughput``: one ``tokenfleet worker`` (the README's flags) serves a fixed workload (64 requests,
-64 new tokens each, all at once, from the asyncio client) in rounds that take turns: no page, the
+``--new-tokens`` each, all at once, from the asyncio client) in rounds that take turns: no page, the
 page's polling alone (its API calls every 2 s, as from a laptop elsewhere), and a headless
 Chromium page on this machine (browser and fleet share its CPUs: the worst case). Each round's
 tokens/s over the no-page round of the same pass; the medians are the figures.
@@ -229,7 +229,7 @@ def page_open(base: str, how: str) -> Iterator[None]:
         launched.close()
 
 
-def time_throughput(url: str, model: str, rounds: int) -> dict[str, object]:
+def time_throughput(url: str, model: str, rounds: int, new_tokens: int) -> dict[str, object]:
     prefix = f"tfbench-dash-{secrets.token_hex(3)}"
     kinds = ["none", "polling", *(["browser"] if chromium() else [])]
     ratios: dict[str, list[float]] = {k: [] for k in kinds if k != "none"}
@@ -240,7 +240,7 @@ def time_throughput(url: str, model: str, rounds: int) -> dict[str, object]:
             order = kinds if n % 2 == 0 else kinds[::-1]  # rounds take turns
             for kind in order:
                 with page_open(base, kind):
-                    rates[kind].append(_run_workload(url, prefix, model, 64, 64))
+                    rates[kind].append(_run_workload(url, prefix, model, 64, new_tokens))
             for kind in ratios:
                 ratios[kind].append(rates[kind][-1] / rates["none"][-1])
     clean(redis.Redis.from_url(url), Keys(prefix))
@@ -248,6 +248,7 @@ def time_throughput(url: str, model: str, rounds: int) -> dict[str, object]:
         "tokens_per_s_median": {k: round(statistics.median(v), 1) for k, v in rates.items()},
         "ratio_to_no_page_median": {k: round(statistics.median(v), 3) for k, v in ratios.items()},
         "ratios": {k: [round(x, 3) for x in v] for k, v in ratios.items()},
+        "workload": f"{rounds} rounds of 64 requests x {new_tokens} new tokens",
     }
 
 
@@ -259,6 +260,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--workers", type=int, default=100)
     parser.add_argument("--entries", type=int, default=10_000)
+    parser.add_argument("--new-tokens", type=int, default=256, help="per request, in the throughput part")
     args = parser.parse_args()
     out: dict[str, object] = {"host": host_kind(), "redis": args.redis_url}
     if args.part in ("load", "both"):
@@ -272,7 +274,8 @@ def main() -> None:
         finally:
             clean(client, keys)
     if args.part in ("throughput", "both"):
-        out["throughput"] = time_throughput(args.redis_url, model_or_built(args.model), args.rounds)
+        model = model_or_built(args.model)
+        out["throughput"] = time_throughput(args.redis_url, model, args.rounds, args.new_tokens)
     print(json.dumps(out, indent=1))
 
 

@@ -77,14 +77,14 @@ def test_no_page_under_docs_outgrows_a_sitting():
 
 def test_the_docs_screenshots_of_the_dashboard_show_the_current_page():
     """The dashboard's screenshots in docs/images are made by its browser tests
-    (tests/gateway/test_dashboard.py); they name the page version they show, which must be the
+    (tests/gateway/test_dashboard_page.py); they name the page version they show, which must be the
     current one: a change to the page's files asks for new screenshots."""
     from tokenfleet.gateway.dashboard.routes import assets_digest
 
     shown = (DOCS / "images" / "dashboard-version.txt").read_text().strip()
     assert shown == assets_digest(), (
         "the page changed since its screenshots were made: run "
-        "TOKENFLEET_SCREENSHOTS=docs/images pytest -n 0 tests/gateway/test_dashboard.py"
+        "TOKENFLEET_SCREENSHOTS=docs/images pytest -n 0 tests/gateway/test_dashboard_page.py"
     )
     for name in ("overview", "request", "dead-letters", "queue"):
         assert (DOCS / "images" / f"dashboard-{name}.png").stat().st_size > 10_000

@@ -144,6 +144,8 @@ class Upkeep:
                 "mode": self.config.batching.mode,
                 "running": cap.running,
                 "waiting": cap.waiting,
+                # read, not started, per priority lane (every worker serves both)
+                "lanes": {lane: self.core.waiting_in(rank) for rank, lane in enumerate(LANES)},
                 "kv_blocks_used": cap.kv_blocks_used,
                 "kv_blocks_total": cap.kv_blocks_total,
                 "finished": self.publisher.requests_finished,

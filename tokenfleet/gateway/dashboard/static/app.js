@@ -85,7 +85,8 @@ function workerRow(w) {
     el("td", {}, (w.buckets || []).join(", ")),
     el("td", {}, w.shards_owned ?? "-"),
     el("td", { class: "num" }, w.running ?? 0),
-    el("td", { class: "num" }, w.waiting ?? 0),
+    el("td", { class: "num", title: "read, not started, per lane" },
+      w.lanes ? Object.entries(w.lanes).map(([lane, n]) => `${lane} ${n}`).join(" · ") : w.waiting ?? 0),
     el("td", {}, el("span", { class: "bar", title: `${w.kv_blocks_used}/${w.kv_blocks_total} blocks` },
       el("span", { style: `width:${Math.round(kv * 100)}%` })), ` ${Math.round(kv * 100)}%`),
     el("td", { class: "num" }, w.tokens_per_s ?? 0),
@@ -166,7 +167,7 @@ function jobRow(j) {
 }
 
 async function refresh() {
-  if ($("#app").hidden) return;
+  if ($("#app").hidden || document.hidden) return; // a page in a background tab asks nothing
   try {
     if (state.tab === "overview") await refreshOverview();
     else {
@@ -222,6 +223,7 @@ function start() {
   $("#delete-all").addEventListener("click", () => confirm("Delete every dead letter?") && act("/dead-all/delete"));
   signIn();
   setInterval(refresh, POLL_MS);
+  document.addEventListener("visibilitychange", refresh); // back in front: fresh at once
 }
 
 start();

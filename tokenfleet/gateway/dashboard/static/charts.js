@@ -29,7 +29,12 @@ function chart(svg, series, colors) {
   svg.parentElement.querySelector(".scale").textContent = "max " + (top >= 100 ? Math.round(top) : +top.toPrecision(3)) + ", last hour";
 }
 
+let drawnSeries = null; // the series on screen: it changes once per 10-second slot, not per poll
+
 function drawCharts(series) {
+  const shown = JSON.stringify(series);
+  if (shown === drawnSeries) return;
+  drawnSeries = shown;
   const last = (name) => { for (let i = series.length - 1; i >= 0; i--) if (series[i][name] !== null) return series[i][name]; return null; };
   chart($("#chart-tokens"), [series.map((p) => p.tokens_per_s)], ["#2b6cb0"]);
   chart($("#chart-ttft"), [series.map((p) => p.ttft_ms), series.map((p) => p.ttft_p50_ms)], ["#c05621", "#b7791f"]);
