@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import json
+import os
 import secrets
 import shutil
 import statistics
@@ -36,6 +38,8 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import httpx
 import redis
@@ -97,7 +101,7 @@ def clean(client: redis.Redis, keys: Keys) -> None:
 
 
 @contextmanager
-def dashboard(url: str, prefix: str) -> Iterator[str]:
+def dashboard(url: str, prefix: str) -> Iterator[tuple[str, int]]:
     port = free_port()
     command = [sys.executable, "-m", "tokenfleet", "dashboard", "--port", str(port), "--prefix", prefix]
     proc = subprocess.Popen(
@@ -113,7 +117,7 @@ def dashboard(url: str, prefix: str) -> Iterator[str]:
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
-        yield base
+        yield base, proc.pid
     finally:
         proc.terminate()
         proc.wait(30)
@@ -167,6 +171,49 @@ PAGE_TIMING = """() => ({
   loaded: performance.getEntriesByType("resource").find((e) => e.name.includes("/api/overview")).responseEnd,
   drawn: performance.getEntriesByName("tokenfleet:overview-drawn")[0].startTime,
 })"""
+
+
+def _proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _chromium_cpu_s() -> float:
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if b"chromium" in (entry / "cmdline").read_bytes():
+                    total += _proc_cpu_s(int(entry.name))
+    return total
+
+
+def _redis_cpu_s(client: redis.Redis) -> float:
+    info: Any = client.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
+def open_page_cpu(base: str, pid: int, client: redis.Redis, seconds: float = 30.0) -> dict[str, object]:
+    """What an open page costs, as a share of one core: the dashboard's server and Redis (idle
+    first, then the page's polling), and the browser itself where it runs on the same machine."""
+
+    def measure(how: str) -> dict[str, float]:
+        with page_open(base, how):
+            time.sleep(3.0)  # the page up (a browser's start is not the open page's cost)
+            before = (_proc_cpu_s(pid), _redis_cpu_s(client), _chromium_cpu_s())
+            time.sleep(seconds)
+            after = (_proc_cpu_s(pid), _redis_cpu_s(client), _chromium_cpu_s())
+        names = ("dashboard_server", "redis", "browser")
+        return {name: (a - b) / seconds * 100 for name, a, b in zip(names, after, before)}
+
+    idle, polling = measure("none"), measure("polling")
+    out: dict[str, object] = {
+        "polling_pct_of_a_core": {k: round(polling[k] - idle[k], 2) for k in ("dashboard_server", "redis")},
+    }
+    if chromium():
+        browser = measure("browser")
+        out["browser_page_pct_of_a_core"] = {k: round(browser[k] - idle[k], 2) for k in browser}
+    return out
 
 
 def _r(value: float | None) -> float | None:
@@ -234,7 +281,7 @@ def time_throughput(url: str, model: str, rounds: int, new_tokens: int) -> dict[
     kinds = ["none", "polling", *(["browser"] if chromium() else [])]
     ratios: dict[str, list[float]] = {k: [] for k in kinds if k != "none"}
     rates: dict[str, list[float]] = {k: [] for k in kinds}
-    with worker_process(url, prefix, model, []), dashboard(url, prefix) as base:
+    with worker_process(url, prefix, model, []), dashboard(url, prefix) as (base, _):
         _run_workload(url, prefix, model, 16, 8)  # warm-up
         for n in range(rounds):
             order = kinds if n % 2 == 0 else kinds[::-1]  # rounds take turns
@@ -268,9 +315,10 @@ def main() -> None:
         keys = Keys(f"tfbench-dash-{secrets.token_hex(3)}")
         try:
             fill_fleet(client, keys, args.workers, args.entries, dead=500)
-            with dashboard(args.redis_url, keys.prefix) as base:
+            with dashboard(args.redis_url, keys.prefix) as (base, pid):
                 out["load"] = {"workers": args.workers, "entries": args.entries, "shards": SHARDS}
                 out["load"] |= time_load(base, args.rounds, args.workers)  # type: ignore[operator]
+                out["open_page_cpu"] = open_page_cpu(base, pid, client)
         finally:
             clean(client, keys)
     if args.part in ("throughput", "both"):

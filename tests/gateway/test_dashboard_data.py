@@ -99,3 +99,48 @@ def test_admins_act_viewers_look_and_an_open_gateway_still_refuses_actions():
     with pytest.raises(Refused) as refused:
         open_gateway.admin("Bearer anything")
     assert refused.value.status == 403 and "--admin-keys" in refused.value.message
+
+
+def test_tokenfleet_dashboard_alone_makes_up_an_admin_key_and_prints_it(redis_url, prefix):
+    """Without keys, `tokenfleet dashboard` is never an open page that can requeue and delete: it
+    makes up an admin key for the run and prints the page's address with it."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from tokenfleet.transport.server.embedded import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "tokenfleet", "dashboard", "--port", str(port), "--prefix", prefix]
+    env = {**os.environ, "REDIS_URL": redis_url}
+    env.pop("TOKENFLEET_ADMIN_KEYS", None)
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [proc.stderr.readline() for _ in range(2)]
+        found = re.search(r"open (http://\S+)/dashboard#key=(\S+)", lines[1])
+        assert found, lines
+        base, key = found.groups()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                me = httpx.get(f"{base}/dashboard/api/whoami", headers={"Authorization": f"Bearer {key}"})
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+        assert me.status_code == 200 and me.json()["can_act"] and me.json()["fleets"] == [prefix]
+        assert httpx.get(f"{base}/dashboard/api/overview").status_code == 401
+        assert (
+            httpx.get(f"{base}/dashboard/api/overview", headers={"Authorization": f"Bearer {key}"}).json()[
+                "prefix"
+            ]
+            == prefix
+        )
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        proc.stderr.close()
