@@ -144,3 +144,29 @@ def test_tokenfleet_dashboard_alone_makes_up_an_admin_key_and_prints_it(redis_ur
         proc.terminate()
         proc.wait(30)
         proc.stderr.close()
+
+
+def test_the_api_answers_bad_input_with_clear_errors_and_records_every_action(redis_url, prefix, r):
+    from fastapi.testclient import TestClient
+
+    from tokenfleet.gateway.dashboard import standalone_app
+
+    keys = Keys(prefix)
+    app = standalone_app(redis_url, [prefix], Access(frozenset({"adm"}), frozenset({"look"})))
+    admin, viewer = {"Authorization": "Bearer adm"}, {"Authorization": "Bearer look"}
+    with TestClient(app) as http:
+        assert http.get("/dashboard/api/overview", headers=viewer).json()["prefix"] == prefix
+        for path in ("/dashboard/api/requests/bad%20id", "/dashboard/api/dead/-"):
+            assert http.get(path, headers=viewer).status_code == 400, path
+        follow = http.get("/dashboard/api/requests/abc/follow?after=%2B", headers=viewer)
+        assert follow.status_code == 400 and "after" in follow.json()["error"]["message"]
+        assert http.get("/dashboard/api/overview?fleet=elsewhere", headers=viewer).status_code == 404
+        assert http.post("/dashboard/api/dead/1-1/requeue", headers=viewer).status_code == 403
+        gone = http.post("/dashboard/api/dead/1-1/requeue", headers=admin)
+        assert gone.status_code == 404 and "no dead letter" in gone.json()["error"]["message"]
+        r.xadd(keys.dead_letter, {"stream": keys.request_stream(64), "entry": "1-1", "code": "undecodable"})
+        assert http.post("/dashboard/api/dead-all/requeue", headers=admin).json()["remaining"] == 1
+        assert http.post("/dashboard/api/dead-all/delete", headers=admin).json() == {"deleted": 1}
+        actions = http.get("/dashboard/api/audit", headers=viewer).json()["data"]
+        assert [a["action"] for a in actions] == ["delete-all", "requeue-all", "requeue"]
+        assert "refused" in actions[-1]["outcome"] and all(a["who"].startswith("key:") for a in actions)

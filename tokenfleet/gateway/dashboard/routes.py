@@ -100,7 +100,9 @@ async def _act(request: Request, fleet_name: str | None, action: str, target: st
     try:
         who = console.access.admin(request.headers.get("authorization"))
         keys = console.keys(fleet_name)
-    except Refused as e:
+    except Refused as e:  # not an action taken: logged, not recorded on the fleet's audit stream
+        client = request.client.host if request.client else "?"
+        log.warning("dashboard action %s %s refused (from %s): %s", action, target, client, e.message)
         return _fail(e)
     refused: Refused | None = None
     try:
