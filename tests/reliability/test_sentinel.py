@@ -165,8 +165,10 @@ def test_worker_client_and_gateway_follow_a_failover(
             )
             api = gateway.openai(timeout=120)
             model = _wait("the worker's heartbeat", lambda: api.models.list().data)[0].id
+            # OpenAI's default temperature is 1: the sampled tokens may hold EOS before the 4th
             answer = api.completions.create(model=model, prompt="after the failover", max_tokens=4)
-            assert answer.choices[0].finish_reason == "length"
+            assert answer.choices[0].finish_reason in ("length", "stop")
+            assert 1 <= answer.usage.completion_tokens <= 4
             running.assert_healthy()
             client.close()
     finally:
