@@ -161,17 +161,18 @@ def rq_worker(redis_url: str | None, prefix: str | None, burst: bool) -> None:
     """Process tokenfleet's RQ jobs (batch --enqueue) with the JSON serializer; the queue is named
     after the prefix. Plain `rq worker` works too:
     rq worker tokenfleet --serializer rq.serializers.JSONSerializer --url URL"""
-    from rq import Queue, Worker
+    from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from tokenfleet.producer.rq_jobs import rq_queue
+    from tokenfleet.producer.rq_jobs import prompt_exit_worker, rq_queue
     from tokenfleet.transport.server.connection import connect_server
 
     with one_line_errors():
         connection = connect_server(redis_url_from_env(redis_url))
         connection.ping()
         queue = Queue(rq_queue(prefix_from_env(prefix)), connection=connection, serializer=JSONSerializer)
-        Worker([queue], connection=connection, serializer=JSONSerializer).work(burst=burst)
+        worker = prompt_exit_worker()([queue], connection=connection, serializer=JSONSerializer)
+        worker.work(burst=burst)
 
 
 @click.command(short_help="Print ACL rules for producer, worker and monitor users.")
