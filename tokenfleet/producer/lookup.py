@@ -8,7 +8,7 @@ from typing import Any
 import redis
 
 from tokenfleet import protocol
-from tokenfleet.protocol import Keys
+from tokenfleet.protocol import Keys, as_text
 
 SCAN_LIMIT = 10_000  # entries looked through per request stream for an id (queued, not yet taken)
 
@@ -31,7 +31,7 @@ def find_queued(client: redis.Redis, keys: Keys, request_id: str) -> tuple[str, 
         entries: Any = client.xrevrange(stream, count=SCAN_LIMIT)
         for entry_id, fields in entries:
             if _names(fields, request_id, wanted):
-                return _text(stream), _text(entry_id)
+                return as_text(stream), as_text(entry_id)
     return None
 
 
@@ -45,7 +45,3 @@ def _names(fields: dict[bytes, bytes], request_id: str, wanted: bytes) -> bool:
         return bool(protocol.unpack(body).get("id") == request_id)
     except (ValueError, AttributeError):
         return False
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -8,6 +8,7 @@ entries whose body is one field ``m`` holding a msgpack map, or plain string fie
 
 from tokenfleet.protocol.codec import (
     Fields,
+    as_text,
     check_nesting,
     decode_request,
     decode_request_body,
@@ -93,6 +94,7 @@ __all__ = [
     "TokenEvent",
     "TokenLogprob",
     "ResponseFormat",
+    "as_text",
     "check_nesting",
     "decode_event",
     "decode_request",

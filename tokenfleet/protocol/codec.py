@@ -57,6 +57,11 @@ def _reject_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack extension type {code} is not allowed")
 
 
+def as_text(value: Any) -> str:
+    """A value redis-py returns (bytes, or anything else) as text: key names, stream ids, fields."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def unpack(data: bytes) -> Any:
     """Decode msgpack data from Redis: plain data only, bounded size and nesting, no extension
     types. Raises ``ValueError`` (or msgpack's own errors) on anything else."""

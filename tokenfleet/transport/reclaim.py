@@ -19,14 +19,10 @@ import redis
 from redis.typing import StreamIdT
 
 from tokenfleet import protocol
-from tokenfleet.protocol import GROUP, ErrorCode, Keys, Refusal, TokenEvent
+from tokenfleet.protocol import GROUP, ErrorCode, Keys, Refusal, TokenEvent, as_text
 from tokenfleet.transport.intake import Entry, Incoming, decode
 
 log = logging.getLogger(__name__)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class Reclaimer:
@@ -114,18 +110,18 @@ class Reclaimer:
         resp = self.client.xautoclaim(
             stream, GROUP, self.consumer, self.claim_idle_ms, start_id=self._cursors[stream], count=count
         )
-        self._cursors[stream] = _text(resp[0])
+        self._cursors[stream] = as_text(resp[0])
         deleted = resp[2] if len(resp) > 2 else []
         if deleted:  # trimmed or deleted while pending: nothing left to serve
             self.client.xack(stream, GROUP, *deleted)
-        return [(_text(i), f) for i, f in resp[1] or [] if f is not None]
+        return [(as_text(i), f) for i, f in resp[1] or [] if f is not None]
 
     def _deliveries(self, stream: str, ids: list[str]) -> dict[str, int]:
         """Delivery counts of our pending ``ids`` (XAUTOCLAIM without JUSTID counted this one)."""
         rows = self.client.xpending_range(
             stream, GROUP, min=ids[0], max=ids[-1], count=len(ids) * 4 + 16, consumername=self.consumer
         )
-        return {_text(row["message_id"]): int(row["times_delivered"]) for row in rows}
+        return {as_text(row["message_id"]): int(row["times_delivered"]) for row in rows}
 
 
 @dataclass(frozen=True)

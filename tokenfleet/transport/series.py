@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenfleet.protocol import Keys
+from tokenfleet.protocol import Keys, as_text
 
 SLOT_S = 10  # seconds per point
 KEEP_S = 3600  # points kept: the last hour
@@ -84,7 +84,7 @@ def read_series(
 
 
 def _point(slot: int, raw: dict[Any, Any]) -> dict[str, Any]:
-    values = {_text(k): float(v) for k, v in raw.items()}
+    values = {as_text(k): float(v) for k, v in raw.items()}
     started = values.get("started", 0.0)
     counts = [int(values.get(f"ttft_le_{k}", 0)) for k in range(len(TTFT_BOUNDS_S) + 1)]
     return {
@@ -112,7 +112,3 @@ def _median_bound_ms(counts: Iterable[int]) -> float | None:
         if seen * 2 >= total:
             return bound * 1000
     return bounds[-1] * 1000
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

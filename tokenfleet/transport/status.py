@@ -10,13 +10,9 @@ from typing import Any
 
 import redis
 
-from tokenfleet.protocol import AUTO_BUCKET, GROUP, LANES, Keys
+from tokenfleet.protocol import AUTO_BUCKET, GROUP, LANES, Keys, as_text
 from tokenfleet.transport.registry import heartbeats
 from tokenfleet.transport.server.memory import out_of_memory, read_memory_policy
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _queue(client: redis.Redis, stream: str, now: float) -> dict[str, Any]:
@@ -24,20 +20,20 @@ def _queue(client: redis.Redis, stream: str, now: float) -> dict[str, Any]:
     if not client.exists(stream):
         return {"depth": 0, "pending": 0, "oldest_waiting_s": None}
     groups: list[dict[str, Any]] = client.xinfo_groups(stream)
-    group = next((g for g in groups if _text(g["name"]) == GROUP), None)
+    group = next((g for g in groups if as_text(g["name"]) == GROUP), None)
     depth: int
     if group is None:
         depth, after = client.xlen(stream), "-"
         pending = 0
     else:
-        after = "(" + _text(group["last-delivered-id"])
+        after = "(" + as_text(group["last-delivered-id"])
         lag = group.get("lag")
         # Redis cannot compute the lag after some trims: count what lies after the last delivery
         undelivered: Any = None if lag is not None else client.xrange(stream, min=after, count=100_000)
         depth = int(lag) if lag is not None else len(undelivered)
         pending = group["pending"]
     first: Any = client.xrange(stream, min=after, count=1) if depth else []
-    oldest = now - int(_text(first[0][0]).split("-")[0]) / 1000 if first else None
+    oldest = now - int(as_text(first[0][0]).split("-")[0]) / 1000 if first else None
     return {
         "depth": depth,
         "pending": pending,

@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from tokenfleet.protocol import Keys
+from tokenfleet.protocol import Keys, as_text
 
 log = logging.getLogger("tokenfleet.dashboard")
 AUDIT_MAXLEN = 1000  # actions kept on the audit stream
@@ -90,10 +90,6 @@ def recent(client: redis.Redis, keys: Keys, count: int = 50) -> list[dict[str, A
     raw: Any = client.xrevrange(keys.audit, count=count)
     rows = []
     for entry_id, fields in raw:
-        row = {_text(k): _text(v) for k, v in fields.items()}
-        rows.append({"id": _text(entry_id), **row, "at": float(row.get("at", 0))})
+        row = {as_text(k): as_text(v) for k, v in fields.items()}
+        rows.append({"id": as_text(entry_id), **row, "at": float(row.get("at", 0))})
     return rows
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

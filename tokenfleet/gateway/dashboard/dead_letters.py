@@ -17,7 +17,7 @@ import redis
 
 from tokenfleet import protocol
 from tokenfleet.gateway.dashboard.access import Refused
-from tokenfleet.protocol import ErrorCode, Keys
+from tokenfleet.protocol import ErrorCode, Keys, as_text
 
 LIST_LIMIT = 200  # dead letters listed at once, newest first
 REQUEUE_ALL_LIMIT = 500  # dead letters one "requeue all" puts back (the oldest first); again for more
@@ -35,11 +35,11 @@ def inspect(client: redis.Redis, keys: Keys, letter_id: str) -> dict[str, Any]:
     base64); :class:`Refused` (404) where it is gone."""
     fields = _read(client, keys, letter_id)
     entry = _entry_fields(fields)
-    view = {_text(k): _readable(v) for k, v in entry.items()} if entry is not None else None
+    view = {as_text(k): _readable(v) for k, v in entry.items()} if entry is not None else None
     body = entry.get(protocol.BODY_FIELD) if entry else None
     if body is not None:
         with contextlib.suppress(ValueError):  # not msgpack: shown as it is
-            view = {**(view or {}), _text(protocol.BODY_FIELD): _readable(protocol.unpack(body))}
+            view = {**(view or {}), as_text(protocol.BODY_FIELD): _readable(protocol.unpack(body))}
     return {**_summary(letter_id, fields), "entry_fields": view}
 
 
@@ -56,8 +56,8 @@ def requeue(client: redis.Redis, keys: Keys, letter_id: str) -> dict[str, Any]:
         raise Refused(409, f"dead letter {letter_id} came from {stream!r}, not a request stream")
     if request_id is not None:
         owner = client.get(keys.owner(request_id))
-        if owner is not None and _text(owner) != f"{stream} {summary['entry']}":
-            raise Refused(409, f"request id {request_id!r} now belongs to another entry ({_text(owner)})")
+        if owner is not None and as_text(owner) != f"{stream} {summary['entry']}":
+            raise Refused(409, f"request id {request_id!r} now belongs to another entry ({as_text(owner)})")
     if not client.xdel(keys.dead_letter, letter_id):  # the claim: two requeues of one letter, one wins
         raise Refused(409, f"dead letter {letter_id} was just requeued or deleted")
     try:
@@ -72,7 +72,7 @@ def requeue(client: redis.Redis, keys: Keys, letter_id: str) -> dict[str, Any]:
             keys.dead_letter, dict[Any, Any](fields), maxlen=protocol.DEAD_LETTER_MAXLEN, approximate=True
         )
         raise
-    return {"requeued": letter_id, "stream": stream, "entry": _text(new_entry), "request_id": request_id}
+    return {"requeued": letter_id, "stream": stream, "entry": as_text(new_entry), "request_id": request_id}
 
 
 def delete(client: redis.Redis, keys: Keys, letter_id: str) -> dict[str, Any]:
@@ -90,9 +90,9 @@ def requeue_all(client: redis.Redis, keys: Keys) -> dict[str, Any]:
     done, left = [], []
     for letter_id, _ in raw:
         try:
-            done.append(requeue(client, keys, _text(letter_id))["requeued"])
+            done.append(requeue(client, keys, as_text(letter_id))["requeued"])
         except Refused as e:
-            left.append({"id": _text(letter_id), "reason": e.message})
+            left.append({"id": as_text(letter_id), "reason": e.message})
     return {"requeued": len(done), "left": left[:20], "remaining": client.xlen(keys.dead_letter)}
 
 
@@ -120,19 +120,19 @@ def _summary(letter_id: Any, fields: dict[bytes, bytes]) -> dict[str, Any]:
     size = int(fields.get(b"body_bytes", len(body)))
     entry = _entry_fields(fields)
     request_id = protocol.salvage_reply(entry)[0] if entry is not None else None
-    code = _text(fields.get(b"code", b""))
+    code = as_text(fields.get(b"code", b""))
     why_not = None
     if entry is None:
         why_not = "only part of the entry was kept (a large one): resubmit it instead"
     elif code == ErrorCode.UNDECODABLE:
         why_not = "the entry cannot be decoded: requeued, it would fail again"
     return {
-        "id": _text(letter_id),
-        "stream": _text(fields.get(b"stream", b"")),
-        "entry": _text(fields.get(b"entry", b"")),
+        "id": as_text(letter_id),
+        "stream": as_text(fields.get(b"stream", b"")),
+        "entry": as_text(fields.get(b"entry", b"")),
         "code": code,
-        "reason": _text(fields.get(b"reason", b"")),
-        "worker": _text(fields.get(b"worker", b"")),
+        "reason": as_text(fields.get(b"reason", b"")),
+        "worker": as_text(fields.get(b"worker", b"")),
         "at": float(fields.get(b"at", 0) or 0),
         "body_bytes": size,
         "truncated": size > len(body),
@@ -172,7 +172,3 @@ def _readable(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_readable(v) for v in value]
     return value
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -11,7 +11,7 @@ from typing import Any
 
 import redis
 
-from tokenfleet.protocol import AUTO_BUCKET, GROUP, LANES, Keys
+from tokenfleet.protocol import AUTO_BUCKET, GROUP, LANES, Keys, as_text
 from tokenfleet.transport.registry import heartbeats
 from tokenfleet.transport.series import read_series
 from tokenfleet.transport.status import redis_memory
@@ -78,14 +78,14 @@ def _stream_figures(client: redis.Redis, streams: list[str], now: float) -> list
         else:
             lag = group.get("lag")
             waiting = int(lag) if lag is not None else entries  # an upper bound after some trims
-            pending, after = int(group["pending"]), "(" + _text(group["last-delivered-id"])
+            pending, after = int(group["pending"]), "(" + as_text(group["last-delivered-id"])
         figures.append({"entries": entries, "waiting": waiting, "pending": pending})
         if waiting:
             oldest.xrange(streams[k], min=after, count=1)
     firsts = iter(oldest.execute())
     for figure in figures:
         first = next(firsts) if figure["waiting"] else []
-        age = now - int(_text(first[0][0]).split("-")[0]) / 1000 if first else None
+        age = now - int(as_text(first[0][0]).split("-")[0]) / 1000 if first else None
         figure["oldest_waiting_s"] = round(age, 1) if age is not None else None
     return figures
 
@@ -93,8 +93,4 @@ def _stream_figures(client: redis.Redis, streams: list[str], now: float) -> list
 def _workers_group(groups: Any) -> dict[Any, Any] | None:
     if not isinstance(groups, list):  # the stream does not exist
         return None
-    return next((g for g in groups if _text(g["name"]) == GROUP), None)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return next((g for g in groups if as_text(g["name"]) == GROUP), None)

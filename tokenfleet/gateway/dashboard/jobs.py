@@ -12,7 +12,7 @@ import redis
 
 from tokenfleet.gateway.batches import JOB_ID_PREFIX
 from tokenfleet.gateway.dashboard.access import Refused
-from tokenfleet.protocol import Keys
+from tokenfleet.protocol import Keys, as_text
 
 BATCH_API_TERMINAL = ("completed", "failed", "cancelled", "expired")
 RQ_TERMINAL = ("finished", "failed", "stopped", "canceled")
@@ -26,7 +26,7 @@ def listing(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     :data:`LIST_LIMIT` per state), read without a scan of the keyspace."""
     if isinstance(client, redis.RedisCluster):  # RQ has no cluster support: the batches' records only
         names = [n for n in client.scan_iter(match=keys.batch("*"), count=500)][:LIST_LIMIT]
-        rows = _batch_api(client, [_text(n).rsplit(":", 1)[-1] for n in names], keys)
+        rows = _batch_api(client, [as_text(n).rsplit(":", 1)[-1] for n in names], keys)
     else:
         ids = _rq_job_ids(client, keys)
         batch_ids = [i.removeprefix(JOB_ID_PREFIX) for i in ids if i.startswith(JOB_ID_PREFIX)]
@@ -168,7 +168,3 @@ def _cancel_bulk(client: redis.Redis, keys: Keys, job_id: str) -> dict[str, Any]
 def _status(job: Any, refresh: bool) -> str:
     status = job.get_status(refresh=refresh)
     return str(getattr(status, "value", status) or "unknown")  # RQ's JobStatus is a str enum
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

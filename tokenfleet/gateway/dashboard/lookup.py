@@ -9,7 +9,7 @@ import redis
 
 from tokenfleet.errors import ProtocolError
 from tokenfleet.producer.lookup import find_queued
-from tokenfleet.protocol import GROUP, DoneEvent, ErrorEvent, Keys, TokenEvent, decode_event
+from tokenfleet.protocol import GROUP, DoneEvent, ErrorEvent, Keys, TokenEvent, as_text, decode_event
 
 REPLAY_LIMIT = 10_000  # reply events read for one lookup (a reply has one per few tokens)
 
@@ -25,7 +25,7 @@ def lookup(client: redis.Redis, keys: Keys, request_id: str) -> dict[str, Any]:
     found: dict[str, Any] = {
         "id": request_id,
         "events": [e for e in events if e is not None],
-        "last_id": _text(raw[-1][0]) if raw else "0",
+        "last_id": as_text(raw[-1][0]) if raw else "0",
         "cancel_requested": cancelled,
         "ttl_s": client.ttl(keys.reply_stream(request_id)),
     }
@@ -34,7 +34,7 @@ def lookup(client: redis.Redis, keys: Keys, request_id: str) -> dict[str, Any]:
         state = "done" if terminal["type"] == "done" else "failed"
         return {**found, "state": state, "worker": terminal.get("worker"), "result": terminal}
     if owner is not None:
-        stream, _, entry_id = _text(owner).partition(" ")
+        stream, _, entry_id = as_text(owner).partition(" ")
         return {**found, "state": "running", "stream": stream, "worker": _holder(client, stream, entry_id)}
     queued = find_queued(client, keys, request_id)
     if queued is not None:
@@ -48,17 +48,17 @@ def event_view(entry_id: Any, fields: Any) -> dict[str, Any] | None:
     try:
         event = decode_event(fields)
     except ProtocolError as e:
-        return {"id": _text(entry_id), "type": "malformed", "message": str(e)}
+        return {"id": as_text(entry_id), "type": "malformed", "message": str(e)}
     if isinstance(event, TokenEvent):
         token = {"type": "token", "index": event.index, "ids": event.ids, "text": event.text}
-        return {"id": _text(entry_id), **token}
+        return {"id": as_text(entry_id), **token}
     if isinstance(event, DoneEvent):
         view = {k: v for k, v in event.to_wire().items() if k != "embedding"}
         if event.embedding is not None:
             view["embedding_dimensions"] = len(event.embedding) // 4
-        return {"id": _text(entry_id), **view}
+        return {"id": as_text(entry_id), **view}
     if isinstance(event, ErrorEvent):
-        return {"id": _text(entry_id), **event.to_wire()}
+        return {"id": as_text(entry_id), **event.to_wire()}
     return None
 
 
@@ -68,8 +68,4 @@ def _holder(client: redis.Redis, stream: str, entry_id: str) -> str | None:
         rows: Any = client.xpending_range(stream, GROUP, min=entry_id, max=entry_id, count=1)
     except redis.ResponseError:  # the stream or its group is gone
         return None
-    return _text(rows[0]["consumer"]) if rows else None
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return as_text(rows[0]["consumer"]) if rows else None
