@@ -160,9 +160,6 @@ async def chunks(
     yield sse("[DONE]")
 
 
-def usage_of(completion: Completion, progress: CompletionProgress) -> dict[str, int]:
-    """Prompt tokens once per prompt (its ``n`` choices share it), completion tokens of all."""
-    done = progress.usage
-    prompt = sum(e.prompt_tokens for k, e in done.items() if k % completion.n == 0)
-    generated = sum(e.completion_tokens for e in done.values())
-    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+def usage_of(completion: Completion, progress: CompletionProgress) -> dict[str, Any]:
+    """The usage of a completion whose choices have all ended."""
+    return completion.usage([progress.usage[k].usage for k in sorted(progress.usage)])

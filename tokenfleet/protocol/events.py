@@ -66,7 +66,8 @@ class TokenEvent:
 class DoneEvent:
     """The request ended normally: why, its token counts, timings (ms since it was enqueued:
     ``queue_ms``, ``ttft_ms``, ``total_ms``) and the batch it ran in; an embedding request's
-    vector as little-endian float32 bytes in ``embedding``."""
+    vector as little-endian float32 bytes in ``embedding``. ``cached_tokens``: prompt tokens whose
+    K/V the prefix cache held when it started."""
 
     type: ClassVar[str] = EventType.DONE
     terminal: ClassVar[bool] = True
@@ -78,6 +79,7 @@ class DoneEvent:
     mean_batch_size: float | None = None
     worker: str | None = None
     embedding: bytes | None = None
+    cached_tokens: int = 0
 
     @property
     def stream_id(self) -> str:
@@ -89,7 +91,8 @@ class DoneEvent:
 
     @property
     def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+        counts = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+        return {**counts, "cached_tokens": self.cached_tokens} if self.cached_tokens else counts
 
     def to_wire(self) -> dict[str, Any]:
         body = {
@@ -157,6 +160,7 @@ def decode_event(fields: Fields) -> ReplyEvent | None:
                 mean_batch_size=body.get("mean_batch_size"),
                 worker=body.get("worker"),
                 embedding=_embedding(body.get("embedding")),
+                cached_tokens=int(usage.get("cached_tokens", 0)),
             )
         if kind == EventType.ERROR:
             return ErrorEvent(str(body.get("code", "unknown")), str(body.get("message", "")))

@@ -77,6 +77,7 @@ class Publisher:
             mean_batch_size=round(seq.mean_batch_size, 2),
             worker=self.worker,
             embedding=embedding,
+            cached_tokens=seq.cached_tokens,
         )
         self.outbox.event(req.id, done, req.reply_ttl_s)
         self.outbox.ack(*seq.key)

@@ -241,17 +241,24 @@ class Completion:
                 token_ids=res.token_ids,
             )
             choices.append(choice)
-        return {**self.header(), "choices": choices, "usage": self.usage(results)}
+        return {**self.header(), "choices": choices, "usage": self.usage([r.usage for r in results])}
 
     def answers_with_calls(self, text: str) -> bool:
         """Whether an answer (or its start, while streaming) is tool calls rather than text."""
         return self.tool_call or (self.tool_auto and is_call(text))
 
-    def usage(self, results: list[Result]) -> dict[str, int]:
-        """Prompt tokens once per prompt (its ``n`` choices share it), completion tokens of all."""
-        prompt = sum(res.usage.get("prompt_tokens", 0) for res in results[:: self.n])
-        completion = sum(res.usage.get("completion_tokens", 0) for res in results)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    def usage(self, usages: list[dict[str, int]]) -> dict[str, Any]:
+        """From each choice's reply ``usage``: prompt tokens once per prompt (its ``n`` choices
+        share it) and of those the prefix cache held, completion tokens of all."""
+        prompt = sum(u.get("prompt_tokens", 0) for u in usages[:: self.n])
+        cached = sum(u.get("cached_tokens", 0) for u in usages[:: self.n])
+        completion = sum(u.get("completion_tokens", 0) for u in usages)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     def chunk(
         self,
