@@ -62,6 +62,11 @@ class GatewayConfig:
         256, "Chat completions' max_tokens when a request gives none (completions: 16, as OpenAI)."
     )
     idempotency_ttl_s: int = setting(24 * 3600, "How long an Idempotency-Key keeps pointing at its request.")
+    responses_ttl_s: int = setting(
+        24 * 3600,
+        "How long a stored /v1/responses response is kept (retrieve, stream again, chain with "
+        "previous_response_id); at most 7 days.",
+    )
     max_request_bytes: int = setting(
         8 << 20,
         "Largest request body accepted, e.g. 8MiB; a larger one is answered 413 before it is read "
@@ -82,6 +87,8 @@ class GatewayConfig:
         for name in ("max_request_bytes", "max_file_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not 0 < self.responses_ttl_s <= 7 * 24 * 3600:
+            raise ValueError(f"responses_ttl_s must be in 1-604800, got {self.responses_ttl_s!r}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens!r}")
 

@@ -29,6 +29,7 @@ from tokenfleet.config import GatewayConfig
 from tokenfleet.gateway import batches, completions, dashboard, embeddings, errors, files, models
 from tokenfleet.gateway.errors import APIError
 from tokenfleet.gateway.limits import BodyLimit
+from tokenfleet.gateway.responses import routes as responses
 from tokenfleet.gateway.service import Service
 from tokenfleet.ratelog import RateLimitedLog
 from tokenfleet.transport.server.connection import connect_server
@@ -106,7 +107,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 data.append({"id": name, **model, "root": record.path, "parent": parent})
         return {"object": "list", "data": data}
 
-    for router in (completions.router, embeddings.router, files.router, batches.router, models.router):
+    routers = (completions, responses, embeddings, files, batches, models)
+    for router in (module.router for module in routers):
         app.include_router(router)
     if config.dashboard:
         app.include_router(dashboard.router)

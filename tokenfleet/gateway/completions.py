@@ -34,7 +34,7 @@ from tokenfleet.producer.openai.format import (
     CompletionBody,
     Kind,
 )
-from tokenfleet.protocol import ErrorEvent, ReplyEvent
+from tokenfleet.protocol import DEFAULT_REPLY_TTL_S, ErrorEvent, ReplyEvent
 
 router = APIRouter()
 DISCONNECT_POLL_S = 0.5
@@ -108,14 +108,19 @@ async def submit(
     body: CompletionBody | ChatBody,
     default_max_tokens: int,
     idempotency_key: str | None,
+    completion: Completion | None = None,
+    reply_ttl_s: int = DEFAULT_REPLY_TTL_S,
 ) -> Completion:
-    """Enqueue the completion's requests, or attach to those an Idempotency-Key already made."""
+    """Enqueue the completion's requests (``completion``: under that id; a new one otherwise),
+    or attach to those an Idempotency-Key already made."""
     base, adapter = await resolve(service, body.model)
     await service.fleet.require(base)
     try:
-        completion = Completion.new(kind, body)
+        completion = completion or Completion.new(kind, body)
         deadline_ms = int((time.time() + service.config.request_timeout_s) * 1000)
         extra: dict[str, Any] = {"adapter": adapter} if adapter else {}
+        if reply_ttl_s != DEFAULT_REPLY_TTL_S:
+            extra["reply_ttl_s"] = reply_ttl_s
         submissions = completion.submissions(body, default_max_tokens, deadline_ms=deadline_ms, **extra)
     except ValueError as e:
         raise APIError(400, str(e)) from e
@@ -123,7 +128,7 @@ async def submit(
         existing = await service.records.claim(idempotency_key, completion)
         if existing is not None:
             return existing
-    await service.records.save(completion)
+    await service.records.save(completion, reply_ttl_s)
     handles = []
     try:
         for request_id, args in submissions:
@@ -189,7 +194,7 @@ async def whole_response(
     """Wait for every choice's result; a client that goes away meanwhile cancels them."""
     timeout = service.config.request_timeout_s
     results = asyncio.gather(*(service.client.result(rid, timeout) for rid in completion.request_ids))
-    watcher = None if keep else asyncio.create_task(_watch_disconnect(request, results))
+    watcher = None if keep else asyncio.create_task(watch_disconnect(request, results))
     try:
         done = await unless_orphaned(results, service.fleet, completion.model)
     except asyncio.CancelledError:
@@ -205,7 +210,8 @@ async def whole_response(
     return JSONResponse(completion.response(list(done), decoder(service.client.tokenizer)))
 
 
-async def _watch_disconnect(request: Request, results: asyncio.Future[Any]) -> None:
+async def watch_disconnect(request: Request, results: asyncio.Future[Any]) -> None:
+    """Cancel ``results`` if the client goes away before they are done."""
     while not results.done():
         if await request.is_disconnected():
             results.cancel()

@@ -19,6 +19,7 @@ import redis
 
 from tokenfleet.config import GatewayConfig
 from tokenfleet.gateway.models import Adapters, Fleet
+from tokenfleet.gateway.responses.store import ResponseStore
 from tokenfleet.producer import AsyncClient
 from tokenfleet.producer.openai.format import Completion
 from tokenfleet.protocol import DEFAULT_REPLY_TTL_S, Keys
@@ -70,6 +71,7 @@ class Service:
     adapters: Adapters
     embed_client: AsyncClient  # /v1/embeddings' fleet (--embed-prefix): this client unless another
     embed_fleet: Fleet
+    responses: ResponseStore
 
     @classmethod
     def start(cls, config: GatewayConfig) -> Service:
@@ -82,7 +84,8 @@ class Service:
             prefix = config.embed_prefix or config.redis.prefix
             embed_client = AsyncClient(config.redis.url, model=config.embed_model, prefix=prefix)
             embed_fleet = Fleet(embed_client.redis, embed_client.keys)
-        return cls(config, client, records, fleet, adapters, embed_client, embed_fleet)
+        responses = ResponseStore(client.redis, client.keys)
+        return cls(config, client, records, fleet, adapters, embed_client, embed_fleet, responses)
 
     background: set[asyncio.Task[None]] = field(default_factory=set)
     _sync_redis: redis.Redis | None = None

@@ -142,6 +142,11 @@ class Keys:
         long as the replies: any replica can resume or replay it."""
         return f"{self.prefix}:completion:{completion_id}"
 
+    def response(self, response_id: str) -> str:
+        """A Responses API response: a hash of its body and history (``record``), a ``cancelled``
+        flag and, once it has ended, the response object (``final``)."""
+        return f"{self.prefix}:response:{response_id}"
+
     def idempotency(self, key_digest: str) -> str:
         """The completion an ``Idempotency-Key`` (by its SHA-256) stands for, for a while."""
         return f"{self.prefix}:idempotency:{key_digest}"
