@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import secrets
 import shutil
@@ -147,6 +148,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tokenfleet.models import init_model
 
     return str(init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny"))
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_model(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny random model with a ChatML template, for what speaks in messages (the Responses
+    API, webhooks of background responses) where a real model's text does not matter."""
+    target = tmp_path_factory.mktemp("chat") / "tiny-chat"
+    shutil.copytree(tiny_model, target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    return str(target)
 
 
 def make_runner(

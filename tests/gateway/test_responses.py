@@ -7,7 +7,6 @@ the gateway cannot honour refused by name."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
 import time
@@ -22,20 +21,6 @@ from tokenfleet.config import DynamicBatchingConfig
 pytestmark = pytest.mark.integration
 # a byte-level tokenizer under a chat template: a short turn is a hundred tokens
 BATCHING = DynamicBatchingConfig(max_wait_ms=10, max_batch_size=16, max_seq_len=1024, buckets=(128, 512))
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def chat_model(tiny_model, tmp_path_factory) -> str:
-    """The tiny random model with a ChatML template (the Responses API speaks in messages)."""
-    target = tmp_path_factory.mktemp("chat") / "tiny-chat"
-    shutil.copytree(tiny_model, target)
-    config = json.loads((target / "tokenizer_config.json").read_text())
-    (target / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
-    return str(target)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenfleet.config.settings import section, setting
+from tokenfleet.config.webhooks import checked_endpoints, secret_key
 from tokenfleet.config.worker import RedisConfig
 
 
@@ -77,6 +78,25 @@ class GatewayConfig:
     batch_jobs: bool = setting(
         True, "Run Batch API jobs in this process too (an RQ worker thread; each job runs once)."
     )
+    webhook_urls: str | None = setting(
+        None,
+        "Comma-separated endpoints that receive signed events (Standard Webhooks, OpenAI's shapes): "
+        "response.completed/failed/cancelled/incomplete of background responses, "
+        "batch.completed/failed/cancelled. Each host must be in --webhook-hosts.",
+        kind="str",
+    )
+    webhook_hosts: str | None = setting(
+        None,
+        "Comma-separated hosts webhooks may go to (host, host:port, or *.example.com); an endpoint "
+        "elsewhere is refused at start.",
+        kind="str",
+    )
+    webhook_secret: str | None = setting(
+        None,
+        "The webhooks' signing secret, whsec_<base64> (openai-python's webhooks.unwrap takes it). "
+        "Prefer the environment (TOKENFLEET_WEBHOOK_SECRET).",
+        kind="str",
+    )
     redis: RedisConfig = section(RedisConfig)
 
     def __post_init__(self) -> None:
@@ -91,6 +111,11 @@ class GatewayConfig:
             raise ValueError(f"responses_ttl_s must be in 1-604800, got {self.responses_ttl_s!r}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens!r}")
+        if self.webhook_urls:
+            checked_endpoints(self.webhook_urls, self.webhook_hosts)
+            if not self.webhook_secret:
+                raise ValueError("webhook_urls need a webhook_secret (whsec_<base64>)")
+            secret_key(self.webhook_secret)
 
     @property
     def keys(self) -> frozenset[str]:
@@ -102,6 +127,10 @@ class GatewayConfig:
     def admins(self) -> frozenset[str]:
         """The keys that may also change the fleet (its adapters, the dashboard's actions)."""
         return _split(self.admin_keys)
+
+    @property
+    def webhook_endpoints(self) -> tuple[str, ...]:
+        return checked_endpoints(self.webhook_urls, self.webhook_hosts)
 
     @property
     def viewers(self) -> frozenset[str]:

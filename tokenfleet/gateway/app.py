@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import redis
@@ -26,11 +27,14 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenfleet.config import GatewayConfig
+from tokenfleet.config.webhooks import secret_key
 from tokenfleet.gateway import batches, completions, dashboard, embeddings, errors, files, models
 from tokenfleet.gateway.errors import APIError
 from tokenfleet.gateway.limits import BodyLimit
 from tokenfleet.gateway.responses import routes as responses
 from tokenfleet.gateway.service import Service
+from tokenfleet.gateway.webhooks.delivery import deliver_forever
+from tokenfleet.gateway.webhooks.watch import watch_forever
 from tokenfleet.ratelog import RateLimitedLog
 from tokenfleet.transport.server.connection import connect_server
 from tokenfleet.transport.server.memory import RECHECK_S, read_memory_policy
@@ -49,9 +53,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
             app.state.console = dashboard.open_console(config.redis.url, _fleets(config), _access(config))
         stop = threading.Event()
         runner = _start_batch_jobs(config, stop) if config.batch_jobs else None
+        hooks = _start_webhooks(app.state.service, metrics) if config.webhook_urls else []
         try:
             yield
         finally:
+            for task in hooks:
+                task.cancel()
             stop.set()
             if runner is not None:
                 runner.join(timeout=10)
@@ -189,9 +196,29 @@ class _Metrics:
         self.redis_evicting.set(-1)
         self.memory_checked = float("-inf")
 
+        self.webhooks = Counter(
+            "tokenfleet_gateway_webhook_attempts",
+            "Webhook delivery attempts by outcome (delivered, failed: retried later, expired).",
+            ("outcome",),
+            registry=self.registry,
+        )
+
     def observe(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
         self.latency.labels(route=route).observe(seconds)
+
+
+def _start_webhooks(service: Service, metrics: _Metrics) -> list[asyncio.Task[None]]:
+    """Deliver due webhook events and follow background responses to their end (each replica)."""
+    config, client = service.config, service.client
+    key = secret_key(config.webhook_secret or "")
+    count = partial(_count, metrics.webhooks)
+    delivering = deliver_forever(client.redis, client.keys, config.webhook_endpoints, key, count)
+    return [asyncio.create_task(delivering), asyncio.create_task(watch_forever(service))]
+
+
+def _count(counter: Counter, outcome: str) -> None:
+    counter.labels(outcome=outcome).inc()
 
 
 def _start_batch_jobs(config: GatewayConfig, stop: threading.Event) -> threading.Thread:

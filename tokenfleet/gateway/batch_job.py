@@ -10,6 +10,8 @@ from collections.abc import Collection
 from typing import Any
 
 from tokenfleet.errors import RequestFailed
+from tokenfleet.gateway.webhooks.events import BATCH_ENDINGS
+from tokenfleet.gateway.webhooks.outbox import Outbox
 from tokenfleet.producer.bulk import BULK_LANE, Job, run_windowed
 from tokenfleet.producer.openai.batch import EmbeddingLine, body_of_line, output_line
 from tokenfleet.producer.openai.controls import decoder
@@ -27,9 +29,11 @@ def run_openai_batch(
     batch_id: str,
     embed_prefix: str | None = None,
     embed_model: str | None = None,
+    notify: bool = False,
 ) -> dict[str, int]:
     """Run one batch; ``embed_prefix`` / ``embed_model``: the fleet of its ``/v1/embeddings``
-    lines, where it is not the gateway's own (the gateway's ``--embed-prefix``)."""
+    lines, where it is not the gateway's own (the gateway's ``--embed-prefix``); ``notify``:
+    raise its ending's webhook event (the gateway that took it has endpoints)."""
     from tokenfleet.producer import Client
 
     with Client(redis_url, model=model, prefix=prefix) as client:
@@ -49,6 +53,15 @@ def run_openai_batch(
             raise
         finally:
             embedding.close()
+            if notify:
+                _announce(client, batch_id)
+
+
+def _announce(client: Any, batch_id: str) -> None:
+    """Raise ``batch.<status>`` for a batch that has ended (once, however often it runs)."""
+    status = BatchState(client.redis, client.keys.batch(batch_id)).load()["status"]
+    if status in BATCH_ENDINGS:
+        Outbox(client.redis, client.keys).emit(BATCH_ENDINGS[status], batch_id)
 
 
 def _run(client: Any, embedding: Any, batch_id: str) -> dict[str, int]:

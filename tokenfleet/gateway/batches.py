@@ -138,6 +138,7 @@ def _enqueue(service: Service, batch_id: str) -> None:
             batch_id,
             config.embed_prefix,
             config.embed_model,
+            bool(config.webhook_urls),
         ),
         job_id=JOB_ID_PREFIX + batch_id,
         job_timeout=25 * 3600,

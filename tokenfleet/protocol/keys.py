@@ -147,6 +147,21 @@ class Keys:
         flag and, once it has ended, the response object (``final``)."""
         return f"{self.prefix}:response:{response_id}"
 
+    def webhook(self, event_id: str) -> str:
+        """A webhook event: its ``body``, the endpoints that took it (``ok:<digest>``), its attempts."""
+        return f"{self.tag}:webhook:{event_id}"
+
+    @property
+    def webhooks_due(self) -> str:
+        """Sorted set of webhook events not yet delivered everywhere, by when they are next due."""
+        return f"{self.tag}:webhooks:due"
+
+    @property
+    def open_responses(self) -> str:
+        """Sorted set of background responses a gateway follows to their end (for their webhook),
+        by when the replica following each must renew its lease."""
+        return f"{self.tag}:responses:open"
+
     def idempotency(self, key_digest: str) -> str:
         """The completion an ``Idempotency-Key`` (by its SHA-256) stands for, for a while."""
         return f"{self.prefix}:idempotency:{key_digest}"

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 import tokenfleet.gateway.completions as completions
 import tokenfleet.gateway.responses.store as store
+import tokenfleet.gateway.webhooks.watch as watch
 from tokenfleet.gateway.errors import APIError, api_error, reply_error
 from tokenfleet.gateway.service import Service
 from tokenfleet.gateway.streaming import START, CompletionProgress, follow
@@ -56,6 +57,8 @@ async def create(body: ResponseBody, request: Request) -> JSONResponse | Streami
     except Exception:
         await service.responses.delete(response_id)
         raise
+    if body.background and service.config.webhook_urls:  # its end raises a webhook event
+        await watch.open_response(service, response_id)
     if body.stream:
         return await _stream(service, record, -1, live=not body.background)
     if body.background:
@@ -102,6 +105,7 @@ async def delete(response_id: str, request: Request) -> JSONResponse:
     service: Service = request.app.state.service
     stored = await _load(service, response_id)
     await service.responses.delete(response_id)
+    await service.client.redis.zrem(service.client.keys.open_responses, response_id)
     await completions.cancel(service, stored.record.completion)  # nothing to keep running for
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 

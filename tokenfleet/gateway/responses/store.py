@@ -87,10 +87,10 @@ class ResponseStore:
         key = self.keys.response(response_id)
         return bool(await self._set_if_present(keys=[key], args=["cancelled", "1"]))
 
-    async def finish(self, response_id: str, response: dict[str, Any]) -> None:
-        """Keep the ended response's object (only where its hash still exists: not after a delete)."""
+    async def finish(self, response_id: str, response: dict[str, Any]) -> bool:
+        """Keep the ended response's object, where it still exists (False after a delete)."""
         key = self.keys.response(response_id)
-        await self._set_if_present(keys=[key], args=["final", json.dumps(response)])
+        return bool(await self._set_if_present(keys=[key], args=["final", json.dumps(response)]))
 
     async def delete(self, response_id: str) -> bool:
         return bool(await self.redis.delete(self.keys.response(response_id)))
