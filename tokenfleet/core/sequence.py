@@ -59,6 +59,7 @@ class SeqState:
     text: str = ""  # generated text decided so far (stop strings cut here)
     sent_text_len: int = 0
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended it, if one did
     started: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -146,10 +147,11 @@ class SeqState:
         """Cut the text before the first stop string; only text after ``searched`` (minus the
         longest stop string) can hold a new match."""
         start = max(0, searched - self._holdback)
-        hits = [i for i in (self.text.find(s, start) for s in self.request.stop) if i >= 0]
+        hits = [(i, s) for s in self.request.stop if (i := self.text.find(s, start)) >= 0]
         if not hits:
             return False
-        self.text = self.text[: min(hits)]
+        at, self.stop_string = min(hits)
+        self.text = self.text[:at]
         return True
 
     def resume(self, token_ids: list[int], sent_texts: list[str]) -> None:

@@ -31,6 +31,7 @@ class Result:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop: str | None = None  # the stop string that ended it, if one did
     usage: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     batch_size: int | None = None
@@ -72,7 +73,7 @@ class ResultBuilder:
         r = self.result
         r.text = "".join(self._texts)
         r.finish_reason, r.usage, r.timings = event.finish_reason, event.usage, event.timings
-        r.batch_size, r.worker = event.batch_size, event.worker
+        r.batch_size, r.worker, r.stop = event.batch_size, event.worker, event.stop
         if event.embedding is not None:
             r.embedding = vector_of(event.embedding)
         return None

@@ -67,7 +67,8 @@ class DoneEvent:
     """The request ended normally: why, its token counts, timings (ms since it was enqueued:
     ``queue_ms``, ``ttft_ms``, ``total_ms``) and the batch it ran in; an embedding request's
     vector as little-endian float32 bytes in ``embedding``. ``cached_tokens``: prompt tokens whose
-    K/V the prefix cache held when it started."""
+    K/V the prefix cache held when it started; ``stop``: the stop string that ended it, if one did.
+    """
 
     type: ClassVar[str] = EventType.DONE
     terminal: ClassVar[bool] = True
@@ -80,6 +81,7 @@ class DoneEvent:
     worker: str | None = None
     embedding: bytes | None = None
     cached_tokens: int = 0
+    stop: str | None = None
 
     @property
     def stream_id(self) -> str:
@@ -108,6 +110,8 @@ class DoneEvent:
             body["worker"] = self.worker
         if self.embedding is not None:
             body["embedding"] = self.embedding
+        if self.stop is not None:
+            body["stop"] = self.stop
         return body
 
 
@@ -161,6 +165,7 @@ def decode_event(fields: Fields) -> ReplyEvent | None:
                 worker=body.get("worker"),
                 embedding=_embedding(body.get("embedding")),
                 cached_tokens=int(usage.get("cached_tokens", 0)),
+                stop=None if body.get("stop") is None else str(body["stop"]),
             )
         if kind == EventType.ERROR:
             return ErrorEvent(str(body.get("code", "unknown")), str(body.get("message", "")))

@@ -78,6 +78,7 @@ class Publisher:
             worker=self.worker,
             embedding=embedding,
             cached_tokens=seq.cached_tokens,
+            stop=seq.stop_string if seq.finish_reason == "stop" else None,
         )
         self.outbox.event(req.id, done, req.reply_ttl_s)
         self.outbox.ack(*seq.key)
