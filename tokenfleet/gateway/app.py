@@ -31,6 +31,7 @@ from tokenfleet.config.webhooks import secret_key
 from tokenfleet.gateway import batches, completions, dashboard, embeddings, errors, files, models
 from tokenfleet.gateway.errors import APIError
 from tokenfleet.gateway.limits import BodyLimit
+from tokenfleet.gateway.messages import routes as messages
 from tokenfleet.gateway.responses import routes as responses
 from tokenfleet.gateway.service import Service
 from tokenfleet.gateway.webhooks.delivery import deliver_forever
@@ -114,7 +115,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 data.append({"id": name, **model, "root": record.path, "parent": parent})
         return {"object": "list", "data": data}
 
-    routers = (completions, responses, embeddings, files, batches, models)
+    routers = (completions, responses, messages, embeddings, files, batches, models)
     for router in (module.router for module in routers):
         app.include_router(router)
     if config.dashboard:
@@ -163,11 +164,12 @@ class _Guard:
         await self.app(scope, receive, counted)
 
     def _authorized(self, headers: Headers) -> bool:
+        """``Authorization: Bearer KEY``, or ``x-api-key: KEY`` (the Anthropic SDK's header)."""
         scheme, _, given = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            given = headers.get("x-api-key", "")
         given_bytes = given.strip().encode()  # compare_digest refuses str beyond ASCII
-        return scheme.lower() == "bearer" and any(
-            hmac.compare_digest(given_bytes, key.encode()) for key in self.keys
-        )
+        return bool(given_bytes) and any(hmac.compare_digest(given_bytes, key.encode()) for key in self.keys)
 
 
 class _Metrics:

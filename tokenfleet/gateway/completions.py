@@ -34,6 +34,7 @@ from tokenfleet.producer.openai.format import (
     CompletionBody,
     Kind,
 )
+from tokenfleet.producer.result import Result
 from tokenfleet.protocol import DEFAULT_REPLY_TTL_S, ErrorEvent, ReplyEvent
 
 router = APIRouter()
@@ -191,6 +192,14 @@ async def stream_response(
 async def whole_response(
     service: Service, request: Request, completion: Completion, keep: bool
 ) -> JSONResponse:
+    """Every choice's result, as OpenAI's completion object."""
+    results = await wait_results(service, request, completion, keep)
+    return JSONResponse(completion.response(results, decoder(service.client.tokenizer)))
+
+
+async def wait_results(
+    service: Service, request: Request, completion: Completion, keep: bool
+) -> list[Result]:
     """Wait for every choice's result; a client that goes away meanwhile cancels them."""
     timeout = service.config.request_timeout_s
     results = asyncio.gather(*(service.client.result(rid, timeout) for rid in completion.request_ids))
@@ -207,7 +216,7 @@ async def whole_response(
     finally:
         if watcher is not None:
             watcher.cancel()
-    return JSONResponse(completion.response(list(done), decoder(service.client.tokenizer)))
+    return list(done)
 
 
 async def watch_disconnect(request: Request, results: asyncio.Future[Any]) -> None:

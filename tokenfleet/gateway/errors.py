@@ -79,22 +79,46 @@ def deadline_error(message: str) -> APIError:
     return APIError(504, message, "timeout", ErrorCode.DEADLINE_EXCEEDED, headers={"x-should-retry": "false"})
 
 
+ANTHROPIC_PATHS = "/v1/messages"  # its clients read Anthropic's error shape
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error(error: APIError) -> dict[str, Any]:
+    """``{"type": "error", "error": {"type", "message"}}``, Anthropic's shape of ``error``."""
+    kind = ANTHROPIC_TYPES.get(error.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def _answer(request: Request, error: APIError) -> JSONResponse:
+    if request.url.path.startswith(ANTHROPIC_PATHS):
+        return JSONResponse(anthropic_error(error), status_code=error.status, headers=error.headers)
+    return error.response()
+
+
 def install(app: FastAPI) -> None:
-    """Every error the app raises, answered in OpenAI's shape."""
+    """Every error the app raises, answered in OpenAI's shape (Anthropic's under /v1/messages)."""
 
     @app.exception_handler(APIError)
-    async def _api(_: Request, error: APIError) -> JSONResponse:
-        return error.response()
+    async def _api(request: Request, error: APIError) -> JSONResponse:
+        return _answer(request, error)
 
     @app.exception_handler(OutOfMemoryError)
-    async def _redis_full(_: Request, error: OutOfMemoryError) -> JSONResponse:
-        return api_error(error).response()
+    async def _redis_full(request: Request, error: OutOfMemoryError) -> JSONResponse:
+        return _answer(request, api_error(error))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())[1:])
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg"))
         if first.get("type") == "extra_forbidden":  # a field we would otherwise ignore
             message = f"{where} is not supported by this gateway (docs/operations/gateway.md lists what is)"
-        return APIError(400, message, param=where or None, code=ErrorCode.INVALID_REQUEST).response()
+        return _answer(request, APIError(400, message, param=where or None, code=ErrorCode.INVALID_REQUEST))

@@ -1,0 +1,133 @@
+"""Anthropic's Messages API on a real model (SmolLM2) through `tokenfleet serve`, driven by the
+Anthropic SDK unchanged: ``messages.create`` equal to the chat completion of the same
+conversation, ``messages.stream`` to its final message, ``stop_sequences``, tools (a ``tool_use``
+block valid against its schema, its ``tool_result`` answered on the next turn), the SDK's
+``x-api-key`` taken as an API key, and errors in Anthropic's shape."""
+
+import anthropic
+import openai
+import pytest
+from conftest import RunningWorker, make_runner
+from structured_cases import SHORT
+
+from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
+
+pytestmark = pytest.mark.integration
+
+BATCHING = DynamicBatchingConfig(max_wait_ms=5, max_batch_size=4, max_seq_len=512, buckets=(64, 128, 256))
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": SHORT, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"],
+    },
+}
+KEY = "sk-test-messages"
+GREEDY = {"temperature": 0}  # the SDK no longer sends sampling fields; older ones and curl do
+
+
+@pytest.fixture(scope="module")
+def runner(smollm2):
+    return make_runner(smollm2, device="cpu", dtype="float32", kv=KVCacheConfig(num_blocks=1024))
+
+
+def test_the_anthropic_sdk_talks_to_the_fleet_unchanged(runner, smollm2, redis_url, prefix):
+    from gateway_process import Gateway
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    hello = [{"role": "user", "content": "Say hello."}]
+    with RunningWorker(runner, redis_url, prefix, BATCHING, served_model_name="smollm2"):
+        gateway = Gateway(redis_url, prefix, smollm2, "--api-keys", KEY)
+        try:
+            client = anthropic.Anthropic(base_url=gateway.url, api_key=KEY, max_retries=0)
+            chat = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0)
+            whole = client.messages.create(
+                model="smollm2", max_tokens=40, messages=hello, system="Be brief.", extra_body=GREEDY
+            )
+            expected = chat.chat.completions.create(
+                model="smollm2",
+                messages=[{"role": "system", "content": "Be brief."}, *hello],
+                max_tokens=40,
+                temperature=0,
+            )
+            with client.messages.stream(
+                model="smollm2", max_tokens=40, messages=hello, extra_body=GREEDY
+            ) as stream:
+                streamed = "".join(stream.text_stream)
+                final = stream.get_final_message()
+            cut = client.messages.create(
+                model="smollm2", max_tokens=40, messages=hello, extra_body=GREEDY, stop_sequences=["!", "."]
+            )
+            called = client.messages.create(
+                model="smollm2",
+                max_tokens=64,
+                messages=question,
+                tools=[WEATHER],
+                tool_choice={"type": "any"},
+                extra_body=GREEDY,
+            )
+            use = called.content[0]
+            with client.messages.stream(
+                model="smollm2",
+                max_tokens=64,
+                messages=question,
+                tools=[WEATHER],
+                tool_choice={"type": "any"},
+                extra_body=GREEDY,
+            ) as stream:
+                streamed_call = stream.get_final_message()
+            turn = [
+                *question,
+                {"role": "assistant", "content": called.content},
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C, sunny"}],
+                },
+            ]
+            answered = client.messages.create(
+                model="smollm2", max_tokens=24, messages=turn, tools=[WEATHER], extra_body=GREEDY
+            )
+            france = [{"role": "user", "content": "Name a city in France."}]
+            parsed = client.messages.parse(
+                model="smollm2", max_tokens=64, messages=france, output_format=City, extra_body=GREEDY
+            )
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                client.messages.create(
+                    model="smollm2",
+                    max_tokens=8,
+                    messages=hello,
+                    thinking={"type": "enabled", "budget_tokens": 1024},
+                )
+            with pytest.raises(anthropic.AuthenticationError):
+                anthropic.Anthropic(base_url=gateway.url, api_key="wrong", max_retries=0).messages.create(
+                    model="smollm2", max_tokens=8, messages=hello
+                )
+        finally:
+            gateway.stop()
+    assert whole.content[0].text == expected.choices[0].message.content
+    assert whole.usage.output_tokens == expected.usage.completion_tokens and whole.stop_reason in (
+        "end_turn",
+        "max_tokens",
+    )
+    assert whole.usage.input_tokens + whole.usage.cache_read_input_tokens == expected.usage.prompt_tokens
+    assert (
+        streamed == final.content[0].text
+        and final.stop_reason == "end_turn"
+        and final.usage.output_tokens > 0
+    )
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence in ("!", ".")
+    assert called.stop_reason == "tool_use" and use.type == "tool_use" and use.name == "get_weather"
+    assert set(use.input) == {"city", "unit"} and use.input["unit"] in ("celsius", "fahrenheit")
+    assert streamed_call.content[0].input == use.input and streamed_call.stop_reason == "tool_use"
+    assert answered.content[0].type == "text" and answered.content[0].text
+    assert (
+        refused.value.body["error"]["type"] == "invalid_request_error" and "thinking" in refused.value.message
+    )
+    assert isinstance(parsed.parsed_output, City) and parsed.parsed_output.name

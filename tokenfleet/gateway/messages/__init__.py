@@ -1,0 +1,1 @@
+"""Anthropic's Messages API (``routes``) on the same core as chat completions."""
