@@ -21,6 +21,7 @@ class Gateway:
 
     def __init__(self, redis_url: str, prefix: str, model_dir: str, *flags: str):
         self.port = free_port()
+        self.clients: list[openai.OpenAI] = []
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "REDIS_URL": redis_url, "TOKENFLEET_PREFIX": prefix}
         command = [
@@ -51,9 +52,15 @@ class Gateway:
         return self.log.read()[-3000:]
 
     def openai(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kw)
+        """A client of this gateway, closed when it stops (an unclosed one's sockets would warn,
+        failing whichever test the garbage collector happens to run in)."""
+        client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kw)
+        self.clients.append(client)
+        return client
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
+        for client in self.clients:
+            client.close()
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             self.proc.wait(30)

@@ -45,9 +45,9 @@ def test_the_anthropic_sdk_talks_to_the_fleet_unchanged(runner, smollm2, redis_u
     hello = [{"role": "user", "content": "Say hello."}]
     with RunningWorker(runner, redis_url, prefix, BATCHING, served_model_name="smollm2"):
         gateway = Gateway(redis_url, prefix, smollm2, "--api-keys", KEY)
+        client = anthropic.Anthropic(base_url=gateway.url, api_key=KEY, max_retries=0)
+        chat = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0)
         try:
-            client = anthropic.Anthropic(base_url=gateway.url, api_key=KEY, max_retries=0)
-            chat = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0)
             whole = client.messages.create(
                 model="smollm2", max_tokens=40, messages=hello, system="Be brief.", extra_body=GREEDY
             )
@@ -105,11 +105,14 @@ def test_the_anthropic_sdk_talks_to_the_fleet_unchanged(runner, smollm2, redis_u
                     messages=hello,
                     thinking={"type": "enabled", "budget_tokens": 1024},
                 )
-            with pytest.raises(anthropic.AuthenticationError):
-                anthropic.Anthropic(base_url=gateway.url, api_key="wrong", max_retries=0).messages.create(
-                    model="smollm2", max_tokens=8, messages=hello
-                )
+            with (
+                pytest.raises(anthropic.AuthenticationError),
+                anthropic.Anthropic(base_url=gateway.url, api_key="wrong", max_retries=0) as stranger,
+            ):
+                stranger.messages.create(model="smollm2", max_tokens=8, messages=hello)
         finally:
+            client.close()
+            chat.close()
             gateway.stop()
     assert whole.content[0].text == expected.choices[0].message.content
     assert whole.usage.output_tokens == expected.usage.completion_tokens and whole.stop_reason in (
