@@ -97,6 +97,12 @@ class GatewayConfig:
         "Prefer the environment (TOKENFLEET_WEBHOOK_SECRET).",
         kind="str",
     )
+    otlp_traces_endpoint: str | None = setting(
+        None,
+        "Send each API request's span over OTLP/HTTP to this URL, e.g. http://collector:4318/v1/traces "
+        "(needs tokenfleet[otel]); requests carry the trace to the workers either way.",
+        kind="str",
+    )
     redis: RedisConfig = section(RedisConfig)
 
     def __post_init__(self) -> None:

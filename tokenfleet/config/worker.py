@@ -121,3 +121,9 @@ class WorkerConfig:
     redis: RedisConfig = section(RedisConfig)
     name: str | None = setting(None, "Consumer name (default: host-pid-random).", kind="str")
     metrics_port: int | None = setting(None, "Serve Prometheus metrics on this port (/metrics).", kind="int")
+    otlp_traces_endpoint: str | None = setting(
+        None,
+        "Send spans of traced requests (those with a traceparent) over OTLP/HTTP to this URL, e.g. "
+        "http://collector:4318/v1/traces (needs tokenfleet[otel]); default: none recorded.",
+        kind="str",
+    )

@@ -30,13 +30,15 @@ from tokenfleet.config import GatewayConfig
 from tokenfleet.config.webhooks import secret_key
 from tokenfleet.gateway import batches, completions, dashboard, embeddings, errors, files, models
 from tokenfleet.gateway.errors import APIError
-from tokenfleet.gateway.limits import BodyLimit
 from tokenfleet.gateway.messages import routes as messages
+from tokenfleet.gateway.middleware.limits import BodyLimit
+from tokenfleet.gateway.middleware.traces import TraceContext
 from tokenfleet.gateway.responses import routes as responses
 from tokenfleet.gateway.service import Service
 from tokenfleet.gateway.webhooks.delivery import deliver_forever
 from tokenfleet.gateway.webhooks.watch import watch_forever
 from tokenfleet.ratelog import RateLimitedLog
+from tokenfleet.tracing import Tracer
 from tokenfleet.transport.server.connection import connect_server
 from tokenfleet.transport.server.memory import RECHECK_S, read_memory_policy
 from tokenfleet.transport.status import lane_queues
@@ -64,9 +66,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
             if runner is not None:
                 runner.join(timeout=10)
             await app.state.service.close()
+            if tracer is not None:
+                tracer.shutdown()
             if config.dashboard:
                 await dashboard.close_console(app.state.console)
 
+    tracer = Tracer.exporting("tokenfleet-gateway", config.otlp_traces_endpoint)
     app = FastAPI(
         title="tokenfleet", summary="OpenAI-compatible API over a tokenfleet fleet", lifespan=lifespan
     )
@@ -74,6 +79,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     metrics = _Metrics()
     # plain ASGI, not @app.middleware: that wrapper hides a client's disconnect from the routes
     app.add_middleware(BodyLimit, limit=config.max_request_bytes, upload_limit=config.max_file_bytes)
+    app.add_middleware(TraceContext, tracer=tracer)
     app.add_middleware(_Guard, keys=config.keys, metrics=metrics)  # outermost: keys before bodies
 
     @app.get("/health")

@@ -85,7 +85,10 @@ async def serve(
         completion, positions = await resumed(service, last_event_id)
         progress = CompletionProgress(positions)
     else:
-        completion = await submit(service, kind, body, default_max_tokens, idempotency_key)
+        traceparent = request.state.traceparent
+        completion = await submit(
+            service, kind, body, default_max_tokens, idempotency_key, traceparent=traceparent
+        )
         progress = CompletionProgress([START] * completion.choices)
     if body.stream:
         return await stream_response(service, completion, progress, body.include_usage, keep, resumable)
@@ -111,6 +114,7 @@ async def submit(
     idempotency_key: str | None,
     completion: Completion | None = None,
     reply_ttl_s: int = DEFAULT_REPLY_TTL_S,
+    traceparent: str | None = None,
 ) -> Completion:
     """Enqueue the completion's requests (``completion``: under that id; a new one otherwise),
     or attach to those an Idempotency-Key already made."""
@@ -122,6 +126,8 @@ async def submit(
         extra: dict[str, Any] = {"adapter": adapter} if adapter else {}
         if reply_ttl_s != DEFAULT_REPLY_TTL_S:
             extra["reply_ttl_s"] = reply_ttl_s
+        if traceparent is not None:
+            extra["traceparent"] = traceparent
         submissions = completion.submissions(body, default_max_tokens, deadline_ms=deadline_ms, **extra)
     except ValueError as e:
         raise APIError(400, str(e)) from e

@@ -59,6 +59,7 @@ class Request:
     cache_key: str | None = None  # affinity: requests sharing it go to one shard (protocol.affinity)
     adapter: str | None = None  # a LoRA adapter of the model, by the name the fleet knows it by
     embed: EmbedSpec | None = None  # the prompt's vector instead of generated text (protocol.embed)
+    traceparent: str | None = None  # W3C trace context: workers record their spans under it
     v: int = PROTOCOL_VERSION
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 

@@ -66,10 +66,20 @@ _KNOWN = {
     "priority",
     "cache_key",
     "adapter",
+    "traceparent",
 }
 
+_TRACEPARENT_RE = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 _ID_RE = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_ID_LEN}}}")  # fullmatch: no newline slips past a "$"
 _ADAPTER_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:/\-]{{0,{MAX_ADAPTER_NAME_LEN - 1}}}")
+
+
+def valid_traceparent(value: object) -> bool:
+    """A version-00 W3C ``traceparent`` whose ids are not all zeros."""
+    if not isinstance(value, str) or _TRACEPARENT_RE.fullmatch(value) is None:
+        return False
+    _, trace_id, span_id, _ = value.split("-")
+    return trace_id != "0" * 32 and span_id != "0" * 16
 
 
 def valid_adapter_name(value: object) -> bool:
@@ -170,6 +180,10 @@ class _Fields:
                     "starting with a letter or digit"
                 )
             kw["adapter"] = body["adapter"]
+        if body.get("traceparent") is not None:
+            if not valid_traceparent(body["traceparent"]):
+                raise self.bad("traceparent must be a W3C traceparent: 00-<32 hex>-<16 hex>-<2 hex>")
+            kw["traceparent"] = body["traceparent"]
         if body.get("embed") is not None:
             kw["embed"] = self.embed(body["embed"], kw)
         kw["extra"] = {k: v for k, v in body.items() if k not in _KNOWN}

@@ -25,6 +25,7 @@ from tokenfleet.engines import build_core
 from tokenfleet.protocol import ErrorCode, Keys
 from tokenfleet.protocol.adapters import AdapterRecord
 from tokenfleet.ratelog import RateLimitedLog
+from tokenfleet.tracing import Tracer
 from tokenfleet.transport.adapters import AdapterRegistry
 from tokenfleet.transport.cancels import CancelFeed
 from tokenfleet.transport.intake import StreamReader, decode
@@ -86,7 +87,9 @@ class Worker:
         self.cancels = CancelFeed(self.client, keys)
         self.round_trip = RoundTrip(self.client, self.outbox, self.reader, self.cancels)
         self.metrics = WorkerMetrics(self.name, config.engine.served_name)
-        self.publisher = Publisher(self.outbox, self.metrics, self.name, config.streaming.stream_interval_ms)
+        self.tracer = Tracer.exporting("tokenfleet-worker", config.otlp_traces_endpoint)
+        interval_ms = config.streaming.stream_interval_ms
+        self.publisher = Publisher(self.outbox, self.metrics, self.name, interval_ms, self.tracer)
         self.registry = Registry(self.client, keys, self.name)
         fleet = FleetBuckets(self.registry, buckets)
         self.adapters = AdapterRegistry(self.client, keys)
@@ -212,6 +215,8 @@ class Worker:
         self.round_trip.close()
         with contextlib.suppress(redis.RedisError):
             self.registry.leave()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # what is still buffered goes out
         log.info("worker %s stopped after %d requests (%s)", self.name, self.requests_finished, self.spent)
 
     # -- one turn: plan -> exchange -> apply -> step -> publish -------------------------------

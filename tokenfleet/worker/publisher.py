@@ -11,9 +11,11 @@ from tokenfleet.core.interface import StepOutput
 from tokenfleet.core.sequence import SeqState
 from tokenfleet.protocol import DoneEvent, ErrorCode, ErrorEvent, Refusal, Request, TokenEvent, salvage_reply
 from tokenfleet.ratelog import RateLimitedLog
+from tokenfleet.tracing import Tracer
 from tokenfleet.transport.intake import Entry
 from tokenfleet.transport.outbox import Outbox
 from tokenfleet.worker.metrics import WorkerMetrics
+from tokenfleet.worker.spans import RequestSpans
 
 log = logging.getLogger(__name__)
 
@@ -21,10 +23,18 @@ log = logging.getLogger(__name__)
 class Publisher:
     """Reply events for one worker's requests."""
 
-    def __init__(self, outbox: Outbox, metrics: WorkerMetrics, worker: str, stream_interval_ms: float):
+    def __init__(
+        self,
+        outbox: Outbox,
+        metrics: WorkerMetrics,
+        worker: str,
+        stream_interval_ms: float,
+        tracer: Tracer | None = None,
+    ):
         self.outbox = outbox
         self.metrics = metrics
         self.worker = worker
+        self.spans = RequestSpans(tracer, worker)
         self.interval_s = stream_interval_ms / 1000
         self.requests_finished = 0
         self.tokens_generated = 0
@@ -44,6 +54,7 @@ class Publisher:
                 queued = max(0.0, (seq.started or 0) - seq.enqueued_wall)
                 ttft = max(0.0, (seq.first_token_at or 0) - seq.enqueued_wall)
                 m.started(seq.request.priority, len(seq.prompt_ids), queued, ttft)
+                self.spans.started(seq)
             elif seq.prev_token_at is not None and seq.last_token_at is not None:
                 m.token_gap(seq.last_token_at - seq.prev_token_at)
             seq.unsent_ids.append(out.token_id)
@@ -82,6 +93,7 @@ class Publisher:
         )
         self.outbox.event(req.id, done, req.reply_ttl_s)
         self.outbox.ack(*seq.key)
+        self.spans.ended(seq)
         self.requests_finished += 1
         self.metrics.finished(done.finish_reason, req.priority, done.timings["total_ms"] / 1000)
 
@@ -91,6 +103,7 @@ class Publisher:
         self._send_tokens(seq)
         self.outbox.event(seq.request.id, ErrorEvent(code, message), seq.request.reply_ttl_s)
         self.outbox.ack(*seq.key)
+        self.spans.ended(seq, f"{code}: {message}")
 
     def refuse(self, entry: Entry, refusal: Refusal, request: Request | None = None) -> None:
         """Answer an entry that will not run: an ``error`` reply when an id can be read (with

@@ -32,7 +32,10 @@ async def create(body: MessagesBody, request: Request) -> JSONResponse | Streami
     chat = _chat(body)
     message_id = new_message_id()
     completion = Completion.of(message_id, "chat", chat)
-    await completions.submit(service, "chat", chat, body.max_tokens, None, completion)
+    traceparent = request.state.traceparent
+    await completions.submit(
+        service, "chat", chat, body.max_tokens, None, completion, traceparent=traceparent
+    )
     if body.stream:
         return await _stream(service, completion, body.model)
     result = (await completions.wait_results(service, request, completion, keep=False))[0]

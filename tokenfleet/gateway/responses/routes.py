@@ -53,7 +53,10 @@ async def create(body: ResponseBody, request: Request) -> JSONResponse | Streami
     if body.store:
         await service.responses.save(record, ttl)
     try:
-        await completions.submit(service, "chat", chat, default_max_tokens, None, record.completion, ttl)
+        traceparent = request.state.traceparent
+        await completions.submit(
+            service, "chat", chat, default_max_tokens, None, record.completion, ttl, traceparent
+        )
     except Exception:
         await service.responses.delete(response_id)
         raise

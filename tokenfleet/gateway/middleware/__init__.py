@@ -1,0 +1,1 @@
+"""The gateway's plain ASGI middleware: bounds on bodies (``limits``), trace context (``traces``)."""
