@@ -75,3 +75,12 @@ def test_a_stream_opens_streams_text_and_ends_with_the_stop_that_matched():
     assert events[-2]["usage"] == {
         "input_tokens": 4, "output_tokens": 2, "cache_read_input_tokens": 3, "cache_creation_input_tokens": 0,
     }  # fmt: skip
+
+
+def test_a_call_that_never_closed_is_a_text_block():
+    body = MessagesBody(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"}], tools=[TOOL])
+    fold = MessageFold("msg_2", "m", Completion.of("msg_2", "chat", body.chat_body()))
+    cut = '<tool_call>{"name": "lookup"'
+    events = [*fold.opening(), *fold.fold(TokenEvent(0, [1], cut)), *fold.fold(DoneEvent("stop", 5, 1))]
+    deltas = [e["delta"]["text"] for e in events if e["type"] == "content_block_delta"]
+    assert deltas == [cut] and events[-2]["delta"]["stop_reason"] == "end_turn"

@@ -112,3 +112,12 @@ def test_an_error_fails_the_response_and_keeps_its_text():
     response = events[-1]["response"]
     assert events[-1]["type"] == "response.failed" and response["error"]["code"] == "internal_error"
     assert response["output"][0]["content"][0]["text"] == "par" and fold.ended
+
+
+def test_a_call_cut_short_by_a_stop_string_is_text():
+    body = ResponseBody(model="m", input="hi", tools=[TOOL])
+    cut = '<tool_call>{"name": "lookup", "arguments": {}}'  # "</tool_call>" was a stop string
+    events = run(fold_of(body), [TokenEvent(0, [1], cut), DoneEvent("stop", 3, 1)])
+    item = events[-1]["response"]["output"][0]
+    assert item["type"] == "message" and item["content"][0]["text"] == cut
+    assert [e["type"] for e in events].count("response.output_text.delta") == 1

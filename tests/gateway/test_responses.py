@@ -162,23 +162,23 @@ def test_cancel_and_delete(run_worker, gateways):
     assert chained.value.body["param"] == "previous_response_id"
 
 
-@pytest.mark.parametrize(
-    "extra, param",
-    [
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
-        ({"include": ["reasoning.encrypted_content"]}, "include"),
-        ({"truncation": "auto"}, "truncation"),
-        ({"tools": [{"type": "web_search"}]}, "tools.0.function.type"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
-        ({"background": True, "store": False}, None),
-    ],
-)
-def test_what_the_gateway_cannot_honour_is_refused_by_name(gateways, extra, param):
-    body = {"model": MODEL, "input": "hi", **extra}
-    reply = httpx.post(gateways().url + "/v1/responses", json=body, timeout=30)
-    assert reply.status_code == 400, reply.text
-    error = reply.json()["error"]
-    assert param is None or (error["param"] or "").startswith(param.split(".")[0]), error
+REFUSED = [
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"background": True, "store": False}, None),
+]
+
+
+def test_what_the_gateway_cannot_honour_is_refused_by_name(gateways):
+    url = gateways().url + "/v1/responses"
+    for extra, param in REFUSED:
+        reply = httpx.post(url, json={"model": MODEL, "input": "hi", **extra}, timeout=30)
+        assert reply.status_code == 400, (extra, reply.text)
+        error = reply.json()["error"]
+        assert param is None or (error["param"] or "").startswith(param), (extra, error)
 
 
 def test_a_background_response_outlives_its_gateway_and_its_worker(gateways, redis_url, prefix, chat_model):

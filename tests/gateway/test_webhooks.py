@@ -130,3 +130,28 @@ def test_an_endpoint_outside_the_allowlist_is_refused_at_start(redis_url, prefix
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "not in --webhook-hosts" in done.stderr and len(done.stderr.strip().splitlines()) <= 2, done.stderr
+
+
+@pytest.mark.parametrize(
+    "url, hosts, allowed",
+    [
+        ("https://hooks.example.com/x", "hooks.example.com:443", True),  # the scheme's own port
+        ("https://hooks.example.com:8443/x", "hooks.example.com:443", False),
+        ("http://[::1]:8080/x", "[::1]:8080", True),
+        ("http://a.hooks.example.com/x", "*.example.com", True),
+        ("http://example.com.evil.net/x", "*.example.com", False),
+        ("http://evil.net\t.hooks.example.com/x", "*.example.com", False),  # a tab urlsplit drops
+        ("http://evil.net\\.hooks.example.com/x", "*.example.com", False),  # a WHATWG host ends at \\
+        ("http://user:pw@hooks.example.com/x", "hooks.example.com", False),
+        ("ftp://hooks.example.com/x", "hooks.example.com", False),
+        ("http://10.0.0.8/x", "", False),  # no allowlist: nothing goes anywhere
+    ],
+)
+def test_the_allowlist_decides_where_webhooks_may_go(url, hosts, allowed):
+    from tokenfleet.config.webhooks import checked_endpoints
+
+    if allowed:
+        assert checked_endpoints(url, hosts) == (url,)
+    else:
+        with pytest.raises(ValueError):
+            checked_endpoints(url, hosts)

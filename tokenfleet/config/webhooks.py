@@ -12,29 +12,43 @@ def split_list(value: str | None) -> list[str]:
     return [part.strip() for part in (value or "").split(",") if part.strip()]
 
 
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
 def checked_endpoints(urls: str | None, hosts: str | None) -> tuple[str, ...]:
-    """The endpoints of ``urls``; ``ValueError`` names the first that is not an http(s) URL or
-    whose host (``host`` or ``host:port``; ``*.example.com`` for its subdomains) is not allowed."""
-    allowed = [host.lower() for host in split_list(hosts)]
+    """The endpoints of ``urls``; ``ValueError`` names the first that is not a plain http(s) URL
+    or whose host (``host`` or ``host:port``; ``*.example.com`` for its subdomains) is not allowed."""
+    allowed = [_host_port(entry) for entry in split_list(hosts)]
     endpoints = tuple(split_list(urls))
     for url in endpoints:
         parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"webhook endpoint {url!r} is not an http(s) URL")
-        if not host_allowed(parts.hostname, parts.port, allowed):
+        # urlsplit drops tabs and newlines and keeps a backslash in the host, where a WHATWG
+        # parser ends the host: the client could go elsewhere than the check saw
+        if any(ord(c) <= 32 or ord(c) == 127 or c == "\\" for c in url):
+            raise ValueError(f"webhook endpoint {url!r} holds whitespace, control characters or a backslash")
+        if parts.scheme not in DEFAULT_PORTS or not parts.hostname or parts.username or parts.password:
+            raise ValueError(f"webhook endpoint {url!r} is not an http(s) URL (without credentials)")
+        port = parts.port or DEFAULT_PORTS[parts.scheme]
+        if not any(host_allowed(parts.hostname, port, name, entry_port) for name, entry_port in allowed):
             raise ValueError(f"webhook endpoint {url!r}: its host is not in --webhook-hosts")
     return endpoints
 
 
-def host_allowed(host: str, port: int | None, allowed: list[str]) -> bool:
+def _host_port(entry: str) -> tuple[str, int | None]:
+    """``host``, ``host:port``, ``[v6]:port`` or ``*.domain`` as (lowercase host, port or None)."""
+    parts = urlsplit("//" + entry.strip())
+    if parts.hostname is None:
+        raise ValueError(f"--webhook-hosts entry {entry!r} is not a host")
+    name = "*." + parts.hostname[2:] if entry.strip().startswith("*.") else parts.hostname
+    return name.lower(), parts.port
+
+
+def host_allowed(host: str, port: int, name: str, entry_port: int | None) -> bool:
+    """Whether ``host:port`` is the allowlist entry ``name`` (port ``entry_port``, any if None)."""
+    if entry_port is not None and entry_port != port:
+        return False
     host = host.lower()
-    for entry in allowed:
-        name, _, entry_port = entry.rpartition(":") if entry.count(":") == 1 else (entry, "", "")
-        if entry_port and (port is None or str(port) != entry_port):
-            continue
-        if name == host or (name.startswith("*.") and host.endswith(name[1:])):
-            return True
-    return False
+    return name == host or (name.startswith("*.") and host.endswith(name[1:]))
 
 
 def secret_key(secret: str) -> bytes:

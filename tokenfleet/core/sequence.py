@@ -74,6 +74,7 @@ class SeqState:
     unsent_text: str = ""
     last_sent_at: float = 0.0  # monotonic time of the last token event
     unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
+    taken_at: float = field(default_factory=time.time)  # when this worker took it from Redis
     matcher: Any = None  # the output's grammar state (llguidance), for a ``response_format``
     adapter_path: str | None = None  # where its ``adapter`` lies on this worker's disk (the fleet's registry)
 

@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenfleet.config import GatewayConfig
 from tokenfleet.config.webhooks import secret_key
 from tokenfleet.gateway import batches, completions, dashboard, embeddings, errors, files, models
-from tokenfleet.gateway.errors import APIError
+from tokenfleet.gateway.errors import APIError, answer_for
 from tokenfleet.gateway.messages import routes as messages
 from tokenfleet.gateway.middleware.limits import BodyLimit
 from tokenfleet.gateway.middleware.traces import TraceContext
@@ -162,10 +162,9 @@ class _Guard:
         path = scope["path"]
         checked = path not in OPEN_PATHS and path != DASHBOARD and not path.startswith(DASHBOARD + "/")
         if self.keys and checked and not self._authorized(Headers(scope=scope)):
-            message = "missing or wrong API key (Authorization: Bearer KEY)"
-            await APIError(401, message, "authentication_error", "invalid_api_key").response()(
-                scope, receive, counted
-            )
+            message = "missing or wrong API key (Authorization: Bearer KEY, or x-api-key: KEY)"
+            refused = APIError(401, message, "authentication_error", "invalid_api_key")
+            await answer_for(path, refused)(scope, receive, counted)
             return
         await self.app(scope, receive, counted)
 

@@ -85,7 +85,7 @@ async def serve(
         completion, positions = await resumed(service, last_event_id)
         progress = CompletionProgress(positions)
     else:
-        traceparent = request.state.traceparent
+        traceparent = getattr(request.state, "traceparent", None)
         completion = await submit(
             service, kind, body, default_max_tokens, idempotency_key, traceparent=traceparent
         )
@@ -115,14 +115,16 @@ async def submit(
     completion: Completion | None = None,
     reply_ttl_s: int = DEFAULT_REPLY_TTL_S,
     traceparent: str | None = None,
+    timeout_s: float | None = None,
 ) -> Completion:
-    """Enqueue the completion's requests (``completion``: under that id; a new one otherwise),
-    or attach to those an Idempotency-Key already made."""
+    """Enqueue the completion's requests (``completion``: under that id; a new one otherwise;
+    ``timeout_s``: their deadline, else the gateway's), or attach to those an Idempotency-Key
+    already made."""
     base, adapter = await resolve(service, body.model)
     await service.fleet.require(base)
     try:
         completion = completion or Completion.new(kind, body)
-        deadline_ms = int((time.time() + service.config.request_timeout_s) * 1000)
+        deadline_ms = int((time.time() + (timeout_s or service.config.request_timeout_s)) * 1000)
         extra: dict[str, Any] = {"adapter": adapter} if adapter else {}
         if reply_ttl_s != DEFAULT_REPLY_TTL_S:
             extra["reply_ttl_s"] = reply_ttl_s

@@ -97,10 +97,15 @@ def anthropic_error(error: APIError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
-def _answer(request: Request, error: APIError) -> JSONResponse:
-    if request.url.path.startswith(ANTHROPIC_PATHS):
+def answer_for(path: str, error: APIError) -> JSONResponse:
+    """``error`` in the shape the clients of ``path`` read."""
+    if path.startswith(ANTHROPIC_PATHS):
         return JSONResponse(anthropic_error(error), status_code=error.status, headers=error.headers)
     return error.response()
+
+
+def _answer(request: Request, error: APIError) -> JSONResponse:
+    return answer_for(request.url.path, error)
 
 
 def install(app: FastAPI) -> None:

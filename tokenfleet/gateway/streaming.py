@@ -125,12 +125,13 @@ async def chunks(
             ):  # under tool_choice auto the answer's first character tells a call from text
                 calls.setdefault(k, []).append(event.text)
             elif (
-                (completion.tool_call or k in calls)
-                and isinstance(event, DoneEvent)
+                isinstance(event, DoneEvent)
                 and event.finish_reason == "stop"
+                and (whole := completion.calls_in("".join(calls.get(k, [])))) is not None
             ):
                 progress.usage[k] = event
-                yield sse(completion.tool_call_chunk(k, "".join(calls.pop(k, []))), ident)
+                calls.pop(k, None)
+                yield sse(completion.tool_call_chunk(k, whole), ident)
                 yield sse(completion.chunk(k, "", [], first=False, finish="tool_calls"), ident)
                 begun.add(k)
             elif isinstance(event, TokenEvent):
@@ -141,7 +142,7 @@ async def chunks(
                 begun.add(k)
             elif isinstance(event, DoneEvent):
                 progress.usage[k] = event
-                if k in calls:  # a tool call cut short (length): its text, as text
+                if k in calls:  # a tool call cut short (length, a stop string): its text, as text
                     yield sse(completion.chunk(k, "".join(calls.pop(k)), [], first=k not in begun), ident)
                     begun.add(k)
                 yield sse(

@@ -88,7 +88,7 @@ class Publisher:
             mean_batch_size=round(seq.mean_batch_size, 2),
             worker=self.worker,
             embedding=embedding,
-            cached_tokens=seq.cached_tokens,
+            cached_tokens=min(seq.cached_tokens, len(seq.prompt_ids)),  # a resumed one's counts its output
             stop=seq.stop_string if seq.finish_reason == "stop" else None,
         )
         self.outbox.event(req.id, done, req.reply_ttl_s)

@@ -1,6 +1,7 @@
 """A worker's spans of each traced request (one with a ``traceparent``), under the trace's
 parent: ``queue`` (Redis took it to this worker starting it: the reply's ``queue_ms``) and
-``prefill`` when its first token goes out, so a worker killed later has already sent them;
+``admission`` (this worker taking it to starting it: the batch window, KV room) and ``prefill``
+when its first token goes out, so a worker killed later has already sent them;
 ``decode`` and ``publish`` at its end. A request resumed elsewhere gets the next worker's spans
 under the same parent."""
 
@@ -25,6 +26,7 @@ class RequestSpans:
         first = seq.first_token_at or started
         attributes = self._attributes(seq)
         self.tracer.record("queue", parent, seq.enqueued_wall, started, attributes)
+        self.tracer.record("admission", parent, min(seq.taken_at, started), started, attributes)
         prefill = {
             **attributes,
             "tokenfleet.prompt_tokens": len(seq.prompt_ids),

@@ -32,7 +32,7 @@ async def create(body: MessagesBody, request: Request) -> JSONResponse | Streami
     chat = _chat(body)
     message_id = new_message_id()
     completion = Completion.of(message_id, "chat", chat)
-    traceparent = request.state.traceparent
+    traceparent = getattr(request.state, "traceparent", None)
     await completions.submit(
         service, "chat", chat, body.max_tokens, None, completion, traceparent=traceparent
     )

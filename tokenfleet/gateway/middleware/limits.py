@@ -8,7 +8,7 @@ from __future__ import annotations
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenfleet.gateway.errors import APIError
+from tokenfleet.gateway.errors import APIError, answer_for
 
 UPLOAD_PATHS = ("/v1/files",)
 MULTIPART_SLACK = 64 << 10  # a form's boundaries and fields around the file itself
@@ -28,7 +28,7 @@ class BodyLimit:
         length = Headers(scope=scope).get("content-length", "")
         if length.isdigit():  # announced: refused unread, or passed on as it comes
             if int(length) > limit:
-                await too_large(limit).response()(scope, receive, send)
+                await answer_for(scope["path"], too_large(limit))(scope, receive, send)
                 return
             await self.app(scope, receive, send)
             return
@@ -42,7 +42,7 @@ class BodyLimit:
                 break
             received += len(message.get("body", b""))
             if received > limit:
-                await too_large(limit).response()(scope, receive, send)
+                await answer_for(scope["path"], too_large(limit))(scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break

@@ -10,7 +10,6 @@ took it and the worker that ran it (the queue's own guarantees).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from functools import partial
 from typing import Any, Literal
@@ -53,9 +52,10 @@ async def create(body: ResponseBody, request: Request) -> JSONResponse | Streami
     if body.store:
         await service.responses.save(record, ttl)
     try:
-        traceparent = request.state.traceparent
+        trace = getattr(request.state, "traceparent", None)
+        timeout = watch.background_deadline_s(service) if body.background else None  # may wait long
         await completions.submit(
-            service, "chat", chat, default_max_tokens, None, record.completion, ttl, traceparent
+            service, "chat", chat, default_max_tokens, None, record.completion, ttl, trace, timeout
         )
     except Exception:
         await service.responses.delete(response_id)
@@ -223,8 +223,13 @@ async def _stream(
     events = _reply_events(service, record)
     first: tuple[int, ReplyEvent] | None = None
     if live:  # its status waits for the first reply event: a prompt too long is a 400, as unstreamed
-        with contextlib.suppress(StopAsyncIteration):
+        try:
             first = await events.__anext__()
+        except StopAsyncIteration:
+            pass
+        except Exception as e:  # past the retries, the timeout, no worker left: its error, not a 500
+            await completions.cancel(service, record.completion)
+            raise api_error(e) from e
         if first is not None and isinstance(first[1], ErrorEvent) and first[1].code in CLIENT_ERROR_CODES:
             await events.aclose()
             raise reply_error(first[1].code, first[1].message)

@@ -22,8 +22,7 @@ from tokenfleet.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5
-LEASE_S = 60.0  # an attempt's budget: each endpoint has TIMEOUT_S
-TIMEOUT_S = 10.0
+TIMEOUT_S = 10.0  # per endpoint, the whole request
 BATCH = 32
 
 
@@ -32,16 +31,19 @@ async def deliver_forever(
 ) -> None:
     """Deliver due events until cancelled; ``count`` tallies each attempt's outcome."""
     outbox, warn = Outbox(client, keys), RateLimitedLog(log)
+    lease_s = 2 * TIMEOUT_S * len(endpoints) + 30  # an attempt ends well within its lease
     async with httpx.AsyncClient(timeout=TIMEOUT_S, follow_redirects=False) as http:
         while True:
             due: list[Any] = []
             try:
-                due = await outbox.lease(keys.webhooks_due, LEASE_S, BATCH)
+                due = await outbox.lease(keys.webhooks_due, lease_s, BATCH)
                 attempts = (deliver(http, client, keys, as_text(i), endpoints, key) for i in due)
                 for outcome in await asyncio.gather(*attempts):
                     count(outcome)
             except redis.RedisError as e:  # Redis away: the leases lapse, the events stay due
                 warn.log(logging.WARNING, "redis", "webhook delivery: %s; retrying", e)
+            except Exception:  # a bug must not end delivery on this replica: the leases lapse
+                warn.log(logging.ERROR, "bug", "webhook delivery failed; retrying", exc_info=True)
             if len(due) < BATCH:
                 await asyncio.sleep(POLL_S)
 
@@ -62,8 +64,9 @@ async def deliver(
             continue
         headers = signed_headers(key, ident, int(time.time()), body)
         try:
-            reply = await http.post(url, content=body, headers=headers)
-        except httpx.HTTPError as e:
+            async with asyncio.timeout(TIMEOUT_S):  # the whole request: a slow trickle is a failure
+                reply = await http.post(url, content=body, headers=headers)
+        except (httpx.HTTPError, TimeoutError) as e:
             failed.append(f"{url}: {type(e).__name__}: {e}")
             continue
         if 200 <= reply.status_code < 300:

@@ -17,7 +17,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenfleet.producer.openai.format import ChatBody, Completion
-from tokenfleet.producer.openai.tools import tool_calls
 
 STOP_REASONS = {"length": "max_tokens", "cancelled": "end_turn"}
 
@@ -191,22 +190,20 @@ def new_message_id() -> str:
 
 
 def content_blocks(message_id: str, completion: Completion, text: str, finish: str) -> list[dict[str, Any]]:
-    """The answer's content: ``tool_use`` blocks for calls (ids from the message's), else text."""
-    if finish == "stop" and completion.answers_with_calls(text):
-        try:
-            calls = tool_calls(text)
-        except (ValueError, KeyError, TypeError):  # cut short: its text, as text
-            return [{"type": "text", "text": text}]
-        return [
-            {
-                "type": "tool_use",
-                "id": "toolu_" + hashlib.sha256(f"{message_id}/{i}".encode()).hexdigest()[:24],
-                "name": call["function"]["name"],
-                "input": json.loads(call["function"]["arguments"]),
-            }
-            for i, call in enumerate(calls)
-        ]
-    return [{"type": "text", "text": text}]
+    """The answer's content: ``tool_use`` blocks for calls (ids from the message's), else text
+    (a call cut short included)."""
+    calls = completion.calls_in(text) if finish == "stop" else None
+    if calls is None:
+        return [{"type": "text", "text": text}]
+    return [
+        {
+            "type": "tool_use",
+            "id": "toolu_" + hashlib.sha256(f"{message_id}/{i}".encode()).hexdigest()[:24],
+            "name": call["function"]["name"],
+            "input": json.loads(call["function"]["arguments"]),
+        }
+        for i, call in enumerate(calls)
+    ]
 
 
 def stop_reason(blocks: list[dict[str, Any]], finish: str, stop: str | None) -> str:

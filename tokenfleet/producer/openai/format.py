@@ -228,8 +228,8 @@ class Completion:
         choices = []
         for index, res in enumerate(results):
             choice: dict[str, Any] = {"index": index, "finish_reason": res.finish_reason}
-            if self.answers_with_calls(res.text) and res.finish_reason == "stop":
-                calls = tool_calls(res.text)
+            calls = self.calls_in(res.text) if res.finish_reason == "stop" else None
+            if calls is not None:
                 choice.update(message={"role": "assistant", "content": None, "tool_calls": calls})
                 choice["finish_reason"] = "tool_calls"
             elif self.kind == "chat":
@@ -242,6 +242,10 @@ class Completion:
             )
             choices.append(choice)
         return {**self.header(), "choices": choices, "usage": self.usage([r.usage for r in results])}
+
+    def calls_in(self, text: str) -> list[dict[str, Any]] | None:
+        """An ended answer's tool calls, or None where it is text (or a call that did not end)."""
+        return tool_calls(text) if self.answers_with_calls(text) else None
 
     def answers_with_calls(self, text: str) -> bool:
         """Whether an answer (or its start, while streaming) is tool calls rather than text."""
@@ -281,9 +285,9 @@ class Completion:
         choice["logprobs"] = shaped_logprobs(self.kind == "chat", logprobs, token_ids, decode, None)
         return {**header, "choices": [choice]}
 
-    def tool_call_chunk(self, index: int, text: str) -> dict[str, Any]:
-        """A streamed tool call, whole, from its text: the chunk before its closing one."""
-        calls = [{"index": i, **call} for i, call in enumerate(tool_calls(text))]
+    def tool_call_chunk(self, index: int, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        """Streamed tool calls, whole: the chunk before the closing one."""
+        calls = [{"index": i, **call} for i, call in enumerate(calls)]
         delta = {"role": "assistant", "content": None, "tool_calls": calls}
         choice = {"index": index, "finish_reason": None, "delta": delta, "logprobs": None}
         return {**self.header(), "object": "chat.completion.chunk", "choices": [choice]}

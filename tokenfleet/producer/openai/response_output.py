@@ -14,7 +14,6 @@ from typing import Any
 
 from tokenfleet.producer.openai.format import Completion
 from tokenfleet.producer.openai.responses import Item
-from tokenfleet.producer.openai.tools import tool_calls
 from tokenfleet.protocol import DoneEvent, ErrorEvent, ReplyEvent, TokenEvent
 
 Event = dict[str, Any]
@@ -105,10 +104,7 @@ class ResponseFold:
         return {"item_id": item_id, "output_index": 0, "content_index": 0}
 
     def _end(self, finish: str) -> list[Event]:
-        try:
-            self.output = output_items(self.response_id, self.completion, self.text, finish)
-        except (ValueError, KeyError, TypeError):  # a call that does not parse (cut short): its text, as text
-            self.output = [message_item(self.response_id, self.text, "completed")]
+        self.output = output_items(self.response_id, self.completion, self.text, finish)
         events = []
         if self.output and self.output[0]["type"] == "function_call":
             for index, item in enumerate(self.output):
@@ -158,10 +154,11 @@ def _named(item: Item) -> dict[str, str]:
 def output_items(response_id: str, completion: Completion, text: str, finish: str | None) -> list[Item]:
     """The ``output`` of an answer so far (``finish``: its finish reason once it has ended).
     Ids are the response's, so every replica that builds it again builds the same."""
-    if finish == "stop" and completion.answers_with_calls(text):
+    calls = completion.calls_in(text) if finish == "stop" else None
+    if calls is not None:
         return [
             function_call_item(response_id, i, call["function"]["name"], call["function"]["arguments"])
-            for i, call in enumerate(tool_calls(text))
+            for i, call in enumerate(calls)
         ]
     if not text and finish is None:
         return []

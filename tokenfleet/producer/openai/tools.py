@@ -150,11 +150,20 @@ class ToolFields(BaseModel):
         return list(self.tools or [])
 
 
-def tool_calls(text: str) -> list[dict[str, Any]]:
+def tool_calls(text: str) -> list[dict[str, Any]] | None:
     """OpenAI's ``message.tool_calls`` from a constrained answer: one call's JSON (``required``, a
-    named function) or, under ``auto``, ``<tool_call>``-tagged calls."""
+    named function) or, under ``auto``, ``<tool_call>``-tagged calls; None where the text holds
+    no whole call (cut short, or a stop string took its end): it is then text."""
     found = CALL_TAG.findall(text) if text.startswith("<tool_call>") else [text]
-    return [_openai_call(json.loads(call)) for call in found]
+    try:
+        calls = [json.loads(call) for call in found]
+    except ValueError:
+        return None
+    whole = all(
+        isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)
+        for c in calls
+    )
+    return [_openai_call(call) for call in calls] if calls and whole else None
 
 
 def is_call(text: str) -> bool:
