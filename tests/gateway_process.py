@@ -54,7 +54,7 @@ class Gateway:
     def openai(self, **kw) -> openai.OpenAI:
         """A client of this gateway, closed when it stops (an unclosed one's sockets would warn,
         failing whichever test the garbage collector happens to run in)."""
-        client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kw)
+        client = openai.OpenAI(**{"base_url": self.url + "/v1", "api_key": "unused", "max_retries": 0, **kw})
         self.clients.append(client)
         return client
 

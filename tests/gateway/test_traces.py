@@ -110,7 +110,7 @@ def test_one_trace_spans_gateway_queue_and_workers_across_a_kill_9(
         timings = done_event(r, prefix, f"{completion_id}.0").timings
 
         resumed_caller = f"00-{RESUMED_ID}-00f067aa0ba902b8-01"
-        body = {"model": MODEL, "prompt": "resume me", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        body = {"model": MODEL, "prompt": "resume me", "max_tokens": 240, "ignore_eos": True, "stream": True}
         streamed: list[str] = []
 
         def read() -> None:

@@ -28,8 +28,9 @@ from tokenfleet.config import GATEWAY_SETTINGS, resolve_gateway_config
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
 )
 def serve(config_file: str | None, log_level: str, **flags: Any) -> None:
-    """Serve /v1/completions, /v1/chat/completions, /v1/models, the Batch API (/v1/files,
-    /v1/batches), /health and /metrics over this fleet's queue. All state is in Redis: run as
+    """Serve /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages, /v1/embeddings,
+    /v1/models, the Batch API (/v1/files, /v1/batches), /health and /metrics over this fleet's
+    queue. All state is in Redis: run as
     many replicas as you like behind a load balancer; a stream dropped by one resumes on another
     (Last-Event-ID). Every setting comes from a flag, TOKENFLEET_<FLAG>, the --config file or
     its default.
@@ -52,4 +53,8 @@ def serve(config_file: str | None, log_level: str, **flags: Any) -> None:
     except (redis.ConnectionError, redis.TimeoutError) as e:
         fail(f"redis unreachable at {config.redis.url}: {e}")
 
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=log_level.lower())
+    try:
+        app = create_app(config)
+    except ValueError as e:
+        fail(str(e))
+    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level.lower())

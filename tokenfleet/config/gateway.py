@@ -33,6 +33,13 @@ class GatewayConfig:
         "environment (TOKENFLEET_ADMIN_KEYS).",
         kind="str",
     )
+    tenant_keys: str | None = setting(
+        None,
+        "Comma-separated TENANT=KEY pairs: each key is accepted as an API key and its requests are "
+        "that tenant's (a prefix cache and affinity of its own: no cache hit crosses tenants). "
+        "Prefer the environment (TOKENFLEET_TENANT_KEYS).",
+        kind="str",
+    )
     viewer_keys: str | None = setting(
         None,
         "Comma-separated read-only keys: they may look at /dashboard and nothing else (admin keys "
@@ -117,6 +124,7 @@ class GatewayConfig:
             raise ValueError(f"responses_ttl_s must be in 1-604800, got {self.responses_ttl_s!r}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens!r}")
+        self.tenants  # noqa: B018 (pairs that do not parse are refused here, at start)
         if self.webhook_urls:
             checked_endpoints(self.webhook_urls, self.webhook_hosts)
             if not self.webhook_secret:
@@ -125,9 +133,20 @@ class GatewayConfig:
 
     @property
     def keys(self) -> frozenset[str]:
-        """The accepted API keys, admins' included (empty: no key needed)."""
-        keys = _split(self.api_keys)
+        """The accepted API keys, admins' and tenants' included (empty: no key needed)."""
+        keys = _split(self.api_keys) | frozenset(self.tenants)
         return keys | self.admins if keys else frozenset()
+
+    @property
+    def tenants(self) -> dict[str, str]:
+        """Each tenant key's tenant."""
+        tenants = {}
+        for pair in _split(self.tenant_keys):
+            tenant, sep, key = pair.partition("=")
+            if not sep or not tenant.strip() or not key.strip():
+                raise ValueError("tenant_keys must be TENANT=KEY pairs, comma-separated")
+            tenants[key.strip()] = tenant.strip()
+        return tenants
 
     @property
     def admins(self) -> frozenset[str]:

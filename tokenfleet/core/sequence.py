@@ -99,11 +99,15 @@ class SeqState:
 
     @property
     def cache_salt(self) -> bytes:
-        """What its KV blocks are named under besides their tokens: a prefix computed under one
-        adapter (its name and directory) is never found for another, or for the base model."""
+        """What its KV blocks are named under besides their tokens: a prefix computed for one
+        tenant is never found for another (nor can its timing tell them apart), one computed under
+        one adapter (its name and directory) never for another, or for the base model."""
+        tenant = b"" if self.request.tenant is None else b"tenant:" + self.request.tenant.encode() + b"\0"
         if self.request.adapter is None:
-            return b""
-        return b"adapter:" + self.request.adapter.encode() + b"\0" + (self.adapter_path or "").encode()
+            return tenant
+        return (
+            tenant + b"adapter:" + self.request.adapter.encode() + b"\0" + (self.adapter_path or "").encode()
+        )
 
     @property
     def all_tokens(self) -> list[int]:

@@ -37,6 +37,7 @@ from tokenfleet.gateway.responses import routes as responses
 from tokenfleet.gateway.service import Service
 from tokenfleet.gateway.webhooks.delivery import deliver_forever
 from tokenfleet.gateway.webhooks.watch import watch_forever
+from tokenfleet.protocol import valid_tenant
 from tokenfleet.ratelog import RateLimitedLog
 from tokenfleet.tracing import Tracer
 from tokenfleet.transport.server.connection import connect_server
@@ -49,6 +50,10 @@ DASHBOARD = "/dashboard"  # asks its own keys: viewers' and admins' (gateway/das
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
+    bad = [tenant for tenant in config.tenants.values() if not valid_tenant(tenant)]
+    if bad:
+        raise ValueError(f"tenant {bad[0]!r}: 1-64 characters of [A-Za-z0-9._:-], a letter or digit first")
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.service = Service.start(config)
@@ -80,7 +85,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     # plain ASGI, not @app.middleware: that wrapper hides a client's disconnect from the routes
     app.add_middleware(BodyLimit, limit=config.max_request_bytes, upload_limit=config.max_file_bytes)
     app.add_middleware(TraceContext, tracer=tracer)
-    app.add_middleware(_Guard, keys=config.keys, metrics=metrics)  # outermost: keys before bodies
+    app.add_middleware(_Guard, keys=config.keys, tenants=config.tenants, metrics=metrics)  # keys first
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -144,8 +149,8 @@ class _Guard:
     """API keys (``Authorization: Bearer``) on every route but the probes', and each request's
     route, status and time to its response's start counted."""
 
-    def __init__(self, app: ASGIApp, keys: frozenset[str], metrics: _Metrics):
-        self.app, self.keys, self.metrics = app, keys, metrics
+    def __init__(self, app: ASGIApp, keys: frozenset[str], tenants: dict[str, str], metrics: _Metrics):
+        self.app, self.keys, self.tenants, self.metrics = app, keys, tenants, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -161,20 +166,24 @@ class _Guard:
 
         path = scope["path"]
         checked = path not in OPEN_PATHS and path != DASHBOARD and not path.startswith(DASHBOARD + "/")
-        if self.keys and checked and not self._authorized(Headers(scope=scope)):
+        key = self._key(Headers(scope=scope)) if self.keys and checked else None
+        if self.keys and checked and key is None:
             message = "missing or wrong API key (Authorization: Bearer KEY, or x-api-key: KEY)"
             refused = APIError(401, message, "authentication_error", "invalid_api_key")
             await answer_for(path, refused)(scope, receive, counted)
             return
+        scope.setdefault("state", {})["tenant"] = self.tenants.get(key) if key else None
         await self.app(scope, receive, counted)
 
-    def _authorized(self, headers: Headers) -> bool:
-        """``Authorization: Bearer KEY``, or ``x-api-key: KEY`` (the Anthropic SDK's header)."""
+    def _key(self, headers: Headers) -> str | None:
+        """The accepted key sent as ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (the
+        Anthropic SDK's header); None where none is."""
         scheme, _, given = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer":
             given = headers.get("x-api-key", "")
         given_bytes = given.strip().encode()  # compare_digest refuses str beyond ASCII
-        return bool(given_bytes) and any(hmac.compare_digest(given_bytes, key.encode()) for key in self.keys)
+        matched = [key for key in self.keys if hmac.compare_digest(given_bytes, key.encode())]
+        return matched[0] if given_bytes and matched else None
 
 
 class _Metrics:

@@ -18,6 +18,7 @@ from tokenfleet.producer.openai.controls import decoder
 from tokenfleet.producer.openai.embeddings import EMBEDDINGS, EmbeddingBody
 from tokenfleet.producer.openai.format import CHAT_COMPLETIONS, Completion
 from tokenfleet.producer.result import Result
+from tokenfleet.protocol.codec import as_text
 
 PROGRESS_EVERY_S = 1.0  # how often the batch's counts are written back while it runs
 
@@ -75,7 +76,9 @@ def _run(client: Any, embedding: Any, batch_id: str) -> dict[str, int]:
         return record["request_counts"]  # already ended (a rerun of a finished job)
     content = client.redis.hget(client.keys.file(record["input_file_id"]), "content")
     try:
-        jobs = parse(content, record["endpoint"], batch_id, client.adapters())
+        tenant = client.redis.hget(client.keys.batch(batch_id), "tenant")  # its lines are its creator's
+        owner = {} if tenant is None else {"tenant": as_text(tenant)}
+        jobs = parse(content, record["endpoint"], batch_id, client.adapters(), owner)
         submitter = embedding if record["endpoint"] == EMBEDDINGS else client
     except ValueError as e:
         state.update(status="failed", failed_at=_now(), errors={"object": "list", "data": [_error(e)]})
@@ -126,8 +129,15 @@ class LineError(ValueError):
         self.line = line
 
 
-def parse(content: bytes | None, endpoint: str, batch_id: str, adapters: Collection[str] = ()) -> list[Job]:
-    """The input file's lines as jobs (a ``model`` among ``adapters`` names that adapter); a line
+def parse(
+    content: bytes | None,
+    endpoint: str,
+    batch_id: str,
+    adapters: Collection[str] = (),
+    extra: dict[str, Any] | None = None,
+) -> list[Job]:
+    """The input file's lines as jobs (a ``model`` among ``adapters`` names that adapter;
+    ``extra``: fields of every request, e.g. the creator's ``tenant``); a line
     whose body is invalid becomes a job that fails alone, as with OpenAI. ``ValueError``
     (:class:`LineError`) for a file that cannot run."""
     if content is None:
@@ -167,13 +177,14 @@ def parse(content: bytes | None, endpoint: str, batch_id: str, adapters: Collect
         if isinstance(body, EmbeddingBody):
             line_job = EmbeddingLine(name, body)
             try:
-                jobs.append(Job(line_job.submissions(BULK_LANE), custom_id, line_job))
+                jobs.append(Job(line_job.submissions(BULK_LANE, **(extra or {})), custom_id, line_job))
             except ValueError as e:  # an empty input: this line fails alone
                 jobs.append(Job([], custom_id, line_job, invalid=f"line {n}: {e}"))
             continue
         completion = Completion.of(name, kind, body)  # type: ignore[arg-type]
         adapter: dict[str, Any] = {"adapter": body.model} if body.model in adapters else {}
-        jobs.append(Job(completion.submissions(body, lane=BULK_LANE, **adapter), custom_id, completion))
+        submissions = completion.submissions(body, lane=BULK_LANE, **adapter, **(extra or {}))
+        jobs.append(Job(submissions, custom_id, completion))
     return jobs
 
 

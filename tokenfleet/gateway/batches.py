@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tokenfleet.gateway.errors import APIError
 from tokenfleet.gateway.files import FILE_TTL_S
-from tokenfleet.gateway.service import Service
+from tokenfleet.gateway.service import Service, caller_fields
 from tokenfleet.producer.openai.batch import ENDPOINTS
 from tokenfleet.producer.rq_jobs import rq_queue
 
@@ -66,7 +66,8 @@ async def create(body: BatchBody, request: Request) -> dict[str, Any]:
         "request_counts": {"total": 0, "completed": 0, "failed": 0},
         "metadata": body.metadata,
     }
-    await redis.hset(keys.batch(record["id"]), mapping={"record": json.dumps(record)})
+    owner = {"tenant": tenant} if (tenant := caller_fields(request).get("tenant")) else {}
+    await redis.hset(keys.batch(record["id"]), mapping={"record": json.dumps(record), **owner})
     await redis.expire(keys.batch(record["id"]), FILE_TTL_S)
     await asyncio.to_thread(_enqueue, service, record["id"])
     return record

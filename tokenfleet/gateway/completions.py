@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tokenfleet.gateway.errors import APIError, api_error, reply_error
 from tokenfleet.gateway.models import resolve
-from tokenfleet.gateway.service import Service
+from tokenfleet.gateway.service import Service, caller_fields
 from tokenfleet.gateway.streaming import START, CompletionProgress, chunks, follow, parse_event_id
 from tokenfleet.gateway.watch import orphaned_error, unless_orphaned
 from tokenfleet.producer.openai.controls import decoder
@@ -85,10 +85,8 @@ async def serve(
         completion, positions = await resumed(service, last_event_id)
         progress = CompletionProgress(positions)
     else:
-        traceparent = getattr(request.state, "traceparent", None)
-        completion = await submit(
-            service, kind, body, default_max_tokens, idempotency_key, traceparent=traceparent
-        )
+        caller = caller_fields(request)
+        completion = await submit(service, kind, body, default_max_tokens, idempotency_key, caller=caller)
         progress = CompletionProgress([START] * completion.choices)
     if body.stream:
         return await stream_response(service, completion, progress, body.include_usage, keep, resumable)
@@ -114,12 +112,12 @@ async def submit(
     idempotency_key: str | None,
     completion: Completion | None = None,
     reply_ttl_s: int = DEFAULT_REPLY_TTL_S,
-    traceparent: str | None = None,
+    caller: dict[str, Any] | None = None,
     timeout_s: float | None = None,
 ) -> Completion:
     """Enqueue the completion's requests (``completion``: under that id; a new one otherwise;
-    ``timeout_s``: their deadline, else the gateway's), or attach to those an Idempotency-Key
-    already made."""
+    ``caller``: the fields the HTTP request gives them, :func:`caller_fields`; ``timeout_s``:
+    their deadline, else the gateway's), or attach to those an Idempotency-Key already made."""
     base, adapter = await resolve(service, body.model)
     await service.fleet.require(base)
     try:
@@ -128,8 +126,7 @@ async def submit(
         extra: dict[str, Any] = {"adapter": adapter} if adapter else {}
         if reply_ttl_s != DEFAULT_REPLY_TTL_S:
             extra["reply_ttl_s"] = reply_ttl_s
-        if traceparent is not None:
-            extra["traceparent"] = traceparent
+        extra.update(caller or {})
         submissions = completion.submissions(body, default_max_tokens, deadline_ms=deadline_ms, **extra)
     except ValueError as e:
         raise APIError(400, str(e)) from e

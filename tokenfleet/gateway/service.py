@@ -108,3 +108,11 @@ class Service:
             await self.embed_client.close()
         if self._sync_redis is not None:
             self._sync_redis.close()
+
+
+def caller_fields(request: Any) -> dict[str, Any]:
+    """Request fields an HTTP request gives: its trace context and its API key's tenant (set by
+    the gateway's middleware)."""
+    state = request.state
+    fields = {"traceparent": getattr(state, "traceparent", None), "tenant": getattr(state, "tenant", None)}
+    return {name: value for name, value in fields.items() if value is not None}

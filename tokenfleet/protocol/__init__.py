@@ -57,7 +57,7 @@ from tokenfleet.protocol.keys import Keys
 from tokenfleet.protocol.output_controls import ResponseFormat
 from tokenfleet.protocol.refusal import Refusal
 from tokenfleet.protocol.request import Request, smallest_bucket
-from tokenfleet.protocol.validation import valid_request_id, valid_traceparent, validate_request
+from tokenfleet.protocol.validation import valid_request_id, valid_tenant, valid_traceparent, validate_request
 
 __all__ = [
     "AUTO_BUCKET",
@@ -108,6 +108,7 @@ __all__ = [
     "smallest_bucket",
     "unpack",
     "valid_request_id",
+    "valid_tenant",
     "valid_traceparent",
     "validate_request",
 ]

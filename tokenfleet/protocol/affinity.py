@@ -26,7 +26,14 @@ def affinity_key(body: dict[str, Any]) -> bytes:
     (prefixed by the ``adapter``'s name when it names one); else the ``adapter`` alone, so that an
     adapter's traffic gathers on the workers that hold it; else, for ``messages``, every message
     up to and including the first ``user`` one (all turns of a chat share them, other chats do
-    not); else the start of ``prompt`` or ``input_ids``."""
+    not); else the start of ``prompt`` or ``input_ids``; all of it after ``t:<tenant>\n`` where
+    the request names its ``tenant``."""
+    tenant = body.get("tenant")
+    salt = b"t:" + str(tenant).encode() + b"\n" if tenant else b""  # a tenant's shards are its own
+    return salt + _unsalted_key(body)
+
+
+def _unsalted_key(body: dict[str, Any]) -> bytes:
     key, adapter = body.get("cache_key"), body.get("adapter")
     if key:
         return (b"a:" + str(adapter).encode() + b"\n" if adapter else b"") + b"k:" + str(key).encode()

@@ -17,7 +17,16 @@ old to apply it refuses it (``unsupported_version``) instead of answering from t
 EMBED_VERSION = 4
 """The version of an embedding request (``embed``): a worker too old to embed refuses it
 (``unsupported_version``) instead of generating text for it."""
-SUPPORTED_VERSIONS = (PROTOCOL_VERSION, OUTPUT_CONTROLS_VERSION, ADAPTER_VERSION, EMBED_VERSION)
+TENANT_VERSION = 5
+"""The version of a request that names its ``tenant``: a worker too old to keep tenants' prefix
+caches apart refuses it (``unsupported_version``) instead of sharing them."""
+SUPPORTED_VERSIONS = (
+    PROTOCOL_VERSION,
+    OUTPUT_CONTROLS_VERSION,
+    ADAPTER_VERSION,
+    EMBED_VERSION,
+    TENANT_VERSION,
+)
 
 GROUP = "workers"
 """Consumer group every worker joins on every request stream."""
@@ -53,6 +62,7 @@ MAX_LOGPROBS = 20
 """Most alternatives ``logprobs`` may ask for at each position (OpenAI's limit)."""
 MAX_LOGIT_BIAS = 1024
 MAX_ADAPTER_NAME_LEN = 128
+MAX_TENANT_LEN = 64
 MAX_GRAMMAR_BYTES = 64 << 10
 """Largest JSON schema (as JSON text), regex or Lark grammar a ``response_format`` may carry."""
 

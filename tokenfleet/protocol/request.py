@@ -21,6 +21,7 @@ from tokenfleet.protocol.constants import (
     LANES,
     OUTPUT_CONTROLS_VERSION,
     PROTOCOL_VERSION,
+    TENANT_VERSION,
 )
 from tokenfleet.protocol.embed import EmbedSpec
 from tokenfleet.protocol.output_controls import ResponseFormat
@@ -60,6 +61,7 @@ class Request:
     adapter: str | None = None  # a LoRA adapter of the model, by the name the fleet knows it by
     embed: EmbedSpec | None = None  # the prompt's vector instead of generated text (protocol.embed)
     traceparent: str | None = None  # W3C trace context: workers record their spans under it
+    tenant: str | None = None  # whose request: its prefix cache and affinity are that tenant's own
     v: int = PROTOCOL_VERSION
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -106,6 +108,8 @@ class Request:
         if self.embed is not None:
             body["v"] = max(body["v"], EMBED_VERSION)  # never answered with text by an older one
             body["embed"] = self.embed.to_wire()
+        if self.tenant is not None:
+            body["v"] = max(body["v"], TENANT_VERSION)  # never served from another tenant's cache
         if self.logit_bias:
             body["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
         if self.response_format is not None:

@@ -23,6 +23,7 @@ from tokenfleet.protocol.constants import (
     MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TENANT_LEN,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
     ErrorCode,
@@ -67,11 +68,18 @@ _KNOWN = {
     "cache_key",
     "adapter",
     "traceparent",
+    "tenant",
 }
 
+_TENANT_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:\-]{{0,{MAX_TENANT_LEN - 1}}}")
 _TRACEPARENT_RE = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 _ID_RE = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_ID_LEN}}}")  # fullmatch: no newline slips past a "$"
 _ADAPTER_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:/\-]{{0,{MAX_ADAPTER_NAME_LEN - 1}}}")
+
+
+def valid_tenant(value: object) -> bool:
+    """Whether ``value`` is a tenant name as PROTOCOL.md defines it."""
+    return isinstance(value, str) and _TENANT_RE.fullmatch(value) is not None
 
 
 def valid_traceparent(value: object) -> bool:
@@ -180,6 +188,13 @@ class _Fields:
                     "starting with a letter or digit"
                 )
             kw["adapter"] = body["adapter"]
+        if body.get("tenant") is not None:
+            if not valid_tenant(body["tenant"]):
+                raise self.bad(
+                    f"tenant must be a name of 1-{MAX_TENANT_LEN} characters from [A-Za-z0-9._:-], "
+                    "starting with a letter or digit"
+                )
+            kw["tenant"] = body["tenant"]
         if body.get("traceparent") is not None:
             if not valid_traceparent(body["traceparent"]):
                 raise self.bad("traceparent must be a W3C traceparent: 00-<32 hex>-<16 hex>-<2 hex>")

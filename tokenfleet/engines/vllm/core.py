@@ -219,7 +219,7 @@ class VllmCore(CoreFront):
             request_id = vllm_request_id(seq.key)
             self.engine.add_request(
                 request_id,
-                {"prompt_token_ids": seq.all_tokens},
+                _prompt(seq),
                 sampling_params(seq),
                 lora_request=self._loras.of(seq),
             )
@@ -291,3 +291,9 @@ def _scheduler(engine: Any) -> Any:
     """vLLM's scheduler when its engine core runs in this process (for KV usage), else None."""
     core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
     return getattr(core, "scheduler", None)
+
+
+def _prompt(seq: SeqState) -> dict[str, Any]:
+    """vLLM's prompt; a tenant's ``cache_salt`` keeps its blocks apart in vLLM's prefix cache."""
+    salt = {} if seq.request.tenant is None else {"cache_salt": "tenant:" + seq.request.tenant}
+    return {"prompt_token_ids": seq.all_tokens, **salt}

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 import tokenfleet.gateway.completions as completions
 from tokenfleet.gateway.errors import APIError, anthropic_error, api_error, reply_error
-from tokenfleet.gateway.service import Service
+from tokenfleet.gateway.service import Service, caller_fields
 from tokenfleet.gateway.streaming import START, CompletionProgress, follow
 from tokenfleet.gateway.watch import orphaned_error
 from tokenfleet.producer.anthropic.messages import MessagesBody, content_blocks, message, new_message_id
@@ -32,10 +32,8 @@ async def create(body: MessagesBody, request: Request) -> JSONResponse | Streami
     chat = _chat(body)
     message_id = new_message_id()
     completion = Completion.of(message_id, "chat", chat)
-    traceparent = getattr(request.state, "traceparent", None)
-    await completions.submit(
-        service, "chat", chat, body.max_tokens, None, completion, traceparent=traceparent
-    )
+    caller = caller_fields(request)
+    await completions.submit(service, "chat", chat, body.max_tokens, None, completion, caller=caller)
     if body.stream:
         return await _stream(service, completion, body.model)
     result = (await completions.wait_results(service, request, completion, keep=False))[0]

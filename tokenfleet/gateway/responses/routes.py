@@ -22,7 +22,7 @@ import tokenfleet.gateway.completions as completions
 import tokenfleet.gateway.responses.store as store
 import tokenfleet.gateway.webhooks.watch as watch
 from tokenfleet.gateway.errors import APIError, api_error, reply_error
-from tokenfleet.gateway.service import Service
+from tokenfleet.gateway.service import Service, caller_fields
 from tokenfleet.gateway.streaming import START, CompletionProgress, follow
 from tokenfleet.gateway.watch import orphaned_error
 from tokenfleet.producer.base import reply_events
@@ -52,10 +52,10 @@ async def create(body: ResponseBody, request: Request) -> JSONResponse | Streami
     if body.store:
         await service.responses.save(record, ttl)
     try:
-        trace = getattr(request.state, "traceparent", None)
+        caller = caller_fields(request)
         timeout = watch.background_deadline_s(service) if body.background else None  # may wait long
         await completions.submit(
-            service, "chat", chat, default_max_tokens, None, record.completion, ttl, trace, timeout
+            service, "chat", chat, default_max_tokens, None, record.completion, ttl, caller, timeout
         )
     except Exception:
         await service.responses.delete(response_id)

@@ -31,9 +31,10 @@ class EmbeddingLine:
     id: str
     body: EmbeddingBody
 
-    def submissions(self, lane: str | None = None) -> list[tuple[str, dict[str, Any]]]:
-        """(request id, ``submit`` arguments) of each input; ``ValueError`` for an empty one."""
-        extra = {"priority": lane} if lane else {}
+    def submissions(self, lane: str | None = None, **extra: Any) -> list[tuple[str, dict[str, Any]]]:
+        """(request id, ``submit`` arguments) of each input (``extra``: more fields of each);
+        ``ValueError`` for an empty one."""
+        extra.update({"priority": lane} if lane else {})
         return [(f"{self.id}.{k}", {**call, **extra}) for k, call in enumerate(self.body.submissions())]
 
 
