@@ -1,8 +1,14 @@
-"""Anthropic's Messages API on a real model (SmolLM2) through `tokenfleet serve`, driven by the
-Anthropic SDK unchanged: ``messages.create`` equal to the chat completion of the same
-conversation, ``messages.stream`` to its final message, ``stop_sequences``, tools (a ``tool_use``
-block valid against its schema, its ``tool_result`` answered on the next turn), the SDK's
-``x-api-key`` taken as an API key, and errors in Anthropic's shape."""
+"""OpenAI's Responses API and Anthropic's Messages API on a real model (SmolLM2) through
+`tokenfleet serve`, driven by the SDKs unchanged. openai-python: ``responses.parse`` with a
+pydantic model under ``text_format``, ``responses.stream`` to its final response, function tools
+(a call as a ``function_call`` item, its output sent back on the next turn by
+``previous_response_id``), answers equal to the chat completion of the same conversation.
+Anthropic's SDK: ``messages.create`` equal to the chat completion, ``messages.stream`` to its
+final message, ``stop_sequences``, tools (a ``tool_use`` block valid against its schema, its
+``tool_result`` answered on the next turn), ``messages.parse``, ``x-api-key`` taken as an API key,
+and errors in Anthropic's shape."""
+
+import json
 
 import anthropic
 import openai
@@ -15,22 +21,91 @@ from tokenfleet.config import DynamicBatchingConfig, KVCacheConfig
 pytestmark = pytest.mark.integration
 
 BATCHING = DynamicBatchingConfig(max_wait_ms=5, max_batch_size=4, max_seq_len=512, buckets=(64, 128, 256))
-WEATHER = {
-    "name": "get_weather",
-    "description": "The weather in a city.",
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": SHORT, "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"],
-    },
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": SHORT, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
 }
+DESCRIPTION = "The weather in a city."
+WEATHER = {"type": "function", "name": "get_weather", "description": DESCRIPTION, "parameters": SCHEMA}
+ANTHROPIC_WEATHER = {"name": "get_weather", "description": DESCRIPTION, "input_schema": SCHEMA}
 KEY = "sk-test-messages"
-GREEDY = {"temperature": 0}  # the SDK no longer sends sampling fields; older ones and curl do
+GREEDY = {"temperature": 0}  # the Anthropic SDK no longer sends sampling fields; older ones and curl do
 
 
 @pytest.fixture(scope="module")
 def runner(smollm2):
     return make_runner(smollm2, device="cpu", dtype="float32", kv=KVCacheConfig(num_blocks=1024))
+
+
+def test_parse_stream_and_function_calls_through_the_responses_api(runner, smollm2, redis_url, prefix):
+    from gateway_process import Gateway
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    question = "What is the weather in Paris?"
+    with RunningWorker(runner, redis_url, prefix, BATCHING, served_model_name="smollm2"):
+        gateway = Gateway(redis_url, prefix, smollm2)
+        try:
+            client = gateway.openai()
+            parsed = client.responses.parse(
+                model="smollm2", input="Name a city in France.", text_format=City, temperature=0
+            )
+            with client.responses.stream(
+                model="smollm2", input="Say hello.", max_output_tokens=40, temperature=0
+            ) as stream:
+                deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+                final = stream.get_final_response()
+            chat_hello = client.chat.completions.create(
+                model="smollm2",
+                messages=[{"role": "user", "content": "Say hello."}],
+                max_tokens=40,
+                temperature=0,
+            )
+            called = client.responses.create(
+                model="smollm2", input=question, tools=[WEATHER], tool_choice="required", temperature=0
+            )
+            call = called.output[0]
+            answered = client.responses.create(
+                model="smollm2",
+                previous_response_id=called.id,
+                input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18 C, sunny"}],
+                tools=[WEATHER],
+                tool_choice="none",
+                temperature=0,
+                max_output_tokens=24,
+            )
+            tool_call = {
+                "id": call.call_id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            chat_answer = client.chat.completions.create(
+                model="smollm2",
+                messages=[
+                    {"role": "user", "content": question},
+                    {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+                    {"role": "tool", "tool_call_id": call.call_id, "content": "18 C, sunny"},
+                ],
+                tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],
+                tool_choice="none",
+                temperature=0,
+                max_tokens=24,
+            )
+        finally:
+            gateway.stop()
+    city = parsed.output_parsed
+    assert isinstance(city, City) and city.name and city.country
+    assert (
+        final.status == "completed" and deltas == final.output_text == chat_hello.choices[0].message.content
+    )
+    assert called.status == "completed" and call.type == "function_call" and call.name == "get_weather"
+    arguments = json.loads(call.arguments)
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+    assert answered.output_text == chat_answer.choices[0].message.content
 
 
 def test_the_anthropic_sdk_talks_to_the_fleet_unchanged(runner, smollm2, redis_url, prefix):
@@ -65,23 +140,17 @@ def test_the_anthropic_sdk_talks_to_the_fleet_unchanged(runner, smollm2, redis_u
             cut = client.messages.create(
                 model="smollm2", max_tokens=40, messages=hello, extra_body=GREEDY, stop_sequences=["!", "."]
             )
-            called = client.messages.create(
+            ask_tool = dict(
                 model="smollm2",
                 max_tokens=64,
                 messages=question,
-                tools=[WEATHER],
+                tools=[ANTHROPIC_WEATHER],
                 tool_choice={"type": "any"},
                 extra_body=GREEDY,
             )
+            called = client.messages.create(**ask_tool)
             use = called.content[0]
-            with client.messages.stream(
-                model="smollm2",
-                max_tokens=64,
-                messages=question,
-                tools=[WEATHER],
-                tool_choice={"type": "any"},
-                extra_body=GREEDY,
-            ) as stream:
+            with client.messages.stream(**ask_tool) as stream:
                 streamed_call = stream.get_final_message()
             turn = [
                 *question,
@@ -92,7 +161,7 @@ def test_the_anthropic_sdk_talks_to_the_fleet_unchanged(runner, smollm2, redis_u
                 },
             ]
             answered = client.messages.create(
-                model="smollm2", max_tokens=24, messages=turn, tools=[WEATHER], extra_body=GREEDY
+                model="smollm2", max_tokens=24, messages=turn, tools=[ANTHROPIC_WEATHER], extra_body=GREEDY
             )
             france = [{"role": "user", "content": "Name a city in France."}]
             parsed = client.messages.parse(
