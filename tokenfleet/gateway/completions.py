@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tokenfleet.gateway.errors import APIError, api_error, reply_error
 from tokenfleet.gateway.models import resolve
 from tokenfleet.gateway.service import Service, caller_fields
-from tokenfleet.gateway.streaming import START, CompletionProgress, chunks, follow, parse_event_id
+from tokenfleet.gateway.streaming import START, CompletionProgress, chunks, follow, parse_event_id, prepended
 from tokenfleet.gateway.watch import orphaned_error, unless_orphaned
 from tokenfleet.producer.openai.controls import decoder
 from tokenfleet.producer.openai.format import (
@@ -175,16 +175,11 @@ async def stream_response(
         await cancel(service, completion)
         raise reply_error(first[1].code, first[1].message)
 
-    async def replayed() -> AsyncIterator[tuple[int, ReplyEvent]]:
-        if first is not None:
-            yield first
-        async for item in events:
-            yield item
-
     async def body() -> AsyncIterator[bytes]:
         finished = False
         try:
-            async for chunk in chunks(service.client, completion, progress, replayed(), include_usage, ids):
+            replies = prepended(first, events)
+            async for chunk in chunks(service.client, completion, progress, replies, include_usage, ids):
                 yield chunk
             finished = True
         finally:

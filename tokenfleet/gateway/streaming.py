@@ -85,6 +85,16 @@ async def follow(
             task.cancel()
 
 
+async def prepended(
+    first: tuple[int, ReplyEvent] | None, rest: AsyncIterator[tuple[int, ReplyEvent]]
+) -> AsyncIterator[tuple[int, ReplyEvent]]:
+    """``first`` (an event already read to pick the response's status, if any), then ``rest``."""
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item
+
+
 async def done_events(client: AsyncClient, completion: Completion, progress: CompletionProgress) -> None:
     """Read the ``done`` events of choices that ended before a resumed stream (for its usage)."""
     for k, position in enumerate(progress.positions):

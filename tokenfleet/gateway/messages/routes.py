@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 import tokenfleet.gateway.completions as completions
 from tokenfleet.gateway.errors import APIError, anthropic_error, api_error, reply_error
 from tokenfleet.gateway.service import Service, caller_fields
-from tokenfleet.gateway.streaming import START, CompletionProgress, follow
+from tokenfleet.gateway.streaming import START, CompletionProgress, follow, prepended
 from tokenfleet.gateway.watch import orphaned_error
 from tokenfleet.producer.anthropic.messages import MessagesBody, content_blocks, message, new_message_id
 from tokenfleet.producer.anthropic.stream import Event, MessageFold
@@ -68,18 +68,12 @@ async def _stream(service: Service, completion: Completion, model: str) -> Strea
         await events.aclose()
         raise reply_error(first[1].code, first[1].message)
 
-    async def replies() -> AsyncIterator[tuple[int, ReplyEvent]]:
-        if first is not None:
-            yield first
-        async for item in events:
-            yield item
-
     async def body() -> AsyncIterator[bytes]:
         fold, ended = MessageFold(completion.id, model, completion), False
         try:
             for event in fold.opening():
                 yield _sse(event)
-            async for _, reply in replies():
+            async for _, reply in prepended(first, events):
                 if isinstance(reply, ErrorEvent):
                     raise reply_error(reply.code, reply.message)
                 for event in fold.fold(reply):

@@ -23,7 +23,7 @@ import tokenfleet.gateway.responses.store as store
 import tokenfleet.gateway.webhooks.watch as watch
 from tokenfleet.gateway.errors import APIError, api_error, reply_error
 from tokenfleet.gateway.service import Service, caller_fields
-from tokenfleet.gateway.streaming import START, CompletionProgress, follow
+from tokenfleet.gateway.streaming import START, CompletionProgress, follow, prepended
 from tokenfleet.gateway.watch import orphaned_error
 from tokenfleet.producer.base import reply_events
 from tokenfleet.producer.openai.format import CLIENT_ERROR_CODES, Completion
@@ -240,8 +240,7 @@ async def _stream(
             for event in fold.opening():
                 if event["sequence_number"] > starting_after:
                     yield _sse(event)
-            pending = [] if first is None else [first]
-            async for _, reply in _chain(pending, events):
+            async for _, reply in prepended(first, events):
                 for event in fold.fold(reply):
                     if event["sequence_number"] > starting_after:
                         yield _sse(event)
@@ -256,15 +255,6 @@ async def _stream(
             await service.responses.finish(record.id, fold.snapshot())
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-async def _chain(
-    first: list[tuple[int, ReplyEvent]], rest: AsyncIterator[tuple[int, ReplyEvent]]
-) -> AsyncIterator[tuple[int, ReplyEvent]]:
-    for item in first:
-        yield item
-    async for item in rest:
-        yield item
 
 
 def _sse(event: Event) -> bytes:
